@@ -1,0 +1,98 @@
+"""One error tree for weighthub.
+
+Every error says what failed, where, and what to do next. Backend exceptions (OSError,
+zstd errors, …) are mapped once, at the seam where they happen (`raise X(...) from exc`).
+
+    WeighthubError
+    ├── UsageError              bad arguments, paths or settings given by the caller
+    ├── FormatError             bytes that do not parse: hostile, truncated or corrupt input
+    │   ├── ChecksumError       a chunk or manifest whose checksum does not match
+    │   ├── UnknownCodecError   a codec/op name or id this build does not know
+    │   ├── FormatVersionError  a format version this build cannot read
+    │   └── LimitError          a size, count or offset over the format's limits
+    ├── StoreError              the object store failed
+    │   ├── ObjectNotFound      a key that is not there
+    │   ├── ObjectExists        a create-only write lost the race (someone else committed)
+    │   └── StoreUnavailable    the store cannot be read or written (permissions, I/O, timeout)
+    ├── VersionError            the version history does not allow what was asked
+    │   ├── VersionNotFound     no committed version with that number
+    │   ├── NoSyncPath          no chain of retained versions reaches the target
+    │   ├── BaseMismatch        a delta whose base is not what the receiver holds
+    │   └── ModelMismatch       tensor names, dtypes or shapes differ from the store's model
+    ├── IntegrityError          bits that are not what the manifest says (digest mismatch)
+    └── ApplyError              the target failed during apply; it was rolled back
+"""
+
+from __future__ import annotations
+
+
+class WeighthubError(Exception):
+    """Base of every error weighthub raises on purpose."""
+
+
+class UsageError(WeighthubError):
+    """Bad arguments, paths or settings given by the caller."""
+
+
+class FormatError(WeighthubError):
+    """Bytes that do not parse as a weighthub chunk frame or manifest."""
+
+
+class ChecksumError(FormatError):
+    """A chunk or manifest whose stored checksum does not match its bytes."""
+
+
+class UnknownCodecError(FormatError):
+    """A codec, op or dtype name/id that this build does not know."""
+
+
+class FormatVersionError(FormatError):
+    """A format version this build cannot read."""
+
+
+class LimitError(FormatError):
+    """A declared size, count or offset beyond the format's limits (refused before allocation)."""
+
+
+class StoreError(WeighthubError):
+    """The object store failed."""
+
+
+class ObjectNotFound(StoreError):
+    """A key that is not in the store."""
+
+
+class ObjectExists(StoreError):
+    """A create-only write found the key already there: another writer committed first."""
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be read or written (permissions, I/O error, timeout)."""
+
+
+class VersionError(WeighthubError):
+    """The version history does not allow what was asked."""
+
+
+class VersionNotFound(VersionError):
+    """No committed version with that number."""
+
+
+class NoSyncPath(VersionError):
+    """No chain of retained representations reaches the target version."""
+
+
+class BaseMismatch(VersionError):
+    """A delta whose base version or digest is not what the receiver holds."""
+
+
+class ModelMismatch(VersionError):
+    """Tensor names, dtypes or shapes differ from the store's model."""
+
+
+class IntegrityError(WeighthubError):
+    """Bits that are not what the manifest says (a digest mismatch after apply or on verify)."""
+
+
+class ApplyError(WeighthubError):
+    """The target failed while changes were applied; it was rolled back to its committed version."""

@@ -1,0 +1,138 @@
+"""Chunk frames: a self-describing, checksummed container of segments (see spec.md).
+
+    header   32 bytes   magic, format version, flags, segment count, body lengths
+    table    48 bytes × segment count
+    body     zstd-1 (or raw) of: every segment's position stream, then every value stream
+    trailer  8 bytes    xxh3-64 of everything before it
+
+Everything declared in the header and table is checked against limits and against each other
+before any buffer of that size is allocated or decompressed.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+import zstandard
+
+from ..codec.segment import Op, Positions, Segment, Values, parse_enum
+from ..errors import ChecksumError, FormatError, FormatVersionError, LimitError
+
+MAGIC = b"WHCK"
+FORMAT_VERSION = 1
+FLAG_ZSTD = 1
+
+_HEADER = struct.Struct("<4sHHIIQQ")  # magic, version, flags, nseg, reserved, raw_len, stored_len
+_SEGMENT = struct.Struct("<IBBBBQQQQQ")  # tensor, op, pos, val, reserved, start, stop, count, plen, vlen
+_TRAILER = struct.Struct("<Q")
+assert _HEADER.size == 32 and _SEGMENT.size == 48
+
+MAX_SEGMENTS = 1 << 20
+MAX_BODY_BYTES = 4 << 30  # decompressed body of one chunk
+ZSTD_LEVEL = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkFrame:
+    segments: tuple[Segment, ...]
+
+
+def encode_chunk(segments: list[Segment], *, compress: bool = True) -> bytes:
+    """Serialize segments into one chunk frame."""
+    table = bytearray()
+    for s in segments:
+        table += _SEGMENT.pack(s.tensor, s.op, s.positions, s.values, 0, s.start, s.stop,
+                               s.count, s.pos_bytes.size, s.val_bytes.size)
+    streams = [s.pos_bytes for s in segments] + [s.val_bytes for s in segments]
+    raw_len = sum(x.size for x in streams)
+    if raw_len > MAX_BODY_BYTES:
+        raise LimitError(f"chunk body of {raw_len} bytes exceeds the {MAX_BODY_BYTES} limit; "
+                         "use a smaller chunk span")
+    if compress:
+        cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
+        chunker = cctx.chunker(size=raw_len)
+        parts = [bytes(p) for x in streams if x.size for p in chunker.compress(memoryview(x))]
+        parts += [bytes(p) for p in chunker.finish()]
+        body = b"".join(parts)
+    else:
+        body = b"".join(x.tobytes() for x in streams)
+    header = _HEADER.pack(MAGIC, FORMAT_VERSION, FLAG_ZSTD if compress else 0, len(segments), 0,
+                          raw_len, len(body))
+    out = b"".join((header, bytes(table), body))
+    return out + _TRAILER.pack(xxhash.xxh3_64_intdigest(out))
+
+
+def decode_chunk(buf: bytes | memoryview, *, where: str, max_body: int = MAX_BODY_BYTES) -> ChunkFrame:
+    """Parse and validate a chunk frame. Raises FormatError subclasses naming `where`.
+
+    Stream contents (varints, positions) are validated later, by the kernels that apply them.
+    """
+    mv = memoryview(buf)
+    if mv.nbytes < _HEADER.size + _TRAILER.size:
+        raise FormatError(f"{where}: truncated chunk ({mv.nbytes} bytes, header needs "
+                          f"{_HEADER.size + _TRAILER.size})")
+    magic, version, flags, nseg, _reserved, raw_len, stored_len = _HEADER.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise FormatError(f"{where}: not a weighthub chunk (magic {bytes(magic)!r})")
+    if version != FORMAT_VERSION:
+        raise FormatVersionError(f"{where}: chunk format version {version}; this build reads "
+                                 f"{FORMAT_VERSION}: upgrade weighthub")
+    (stored_sum,) = _TRAILER.unpack_from(mv, mv.nbytes - _TRAILER.size)
+    computed = xxhash.xxh3_64_intdigest(mv[: mv.nbytes - _TRAILER.size])
+    if stored_sum != computed:
+        raise ChecksumError(f"{where}: chunk checksum stored {stored_sum:016x}, computed "
+                            f"{computed:016x}: the chunk is corrupt")
+    if flags & ~FLAG_ZSTD:
+        raise FormatError(f"{where}: unknown chunk flags {flags:#x}")
+    if nseg > MAX_SEGMENTS:
+        raise LimitError(f"{where}: {nseg} segments, limit {MAX_SEGMENTS}")
+    table_end = _HEADER.size + nseg * _SEGMENT.size
+    if table_end + stored_len + _TRAILER.size != mv.nbytes:
+        raise FormatError(f"{where}: lengths do not add up: header {_HEADER.size} + table "
+                          f"{nseg}×{_SEGMENT.size} + body {stored_len} + trailer != {mv.nbytes}")
+    if raw_len > max_body:
+        raise LimitError(f"{where}: body of {raw_len} bytes exceeds the limit {max_body}")
+    heads = []
+    total = 0
+    for i in range(nseg):
+        f = _SEGMENT.unpack_from(mv, _HEADER.size + i * _SEGMENT.size)
+        tensor, op, pos, val, _r, start, stop, count, plen, vlen = f
+        seg_where = f"{where} segment {i}"
+        op_e = parse_enum(Op, op, seg_where)
+        pos_e = parse_enum(Positions, pos, seg_where)
+        val_e = parse_enum(Values, val, seg_where)
+        if not start < stop or count > stop - start:
+            raise FormatError(f"{seg_where}: bad range [{start}, {stop}) with count {count}")
+        total += plen + vlen
+        heads.append((tensor, op_e, pos_e, val_e, start, stop, count, plen, vlen))
+    if total != raw_len:
+        raise FormatError(f"{where}: segment streams total {total} bytes, header says {raw_len}")
+    body = mv[table_end: table_end + stored_len]
+    if flags & FLAG_ZSTD:
+        try:
+            params = zstandard.get_frame_parameters(body)
+            if params.content_size != raw_len:
+                raise FormatError(f"{where}: compressed body declares {params.content_size} "
+                                  f"bytes, header says {raw_len}")
+            raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=raw_len)
+        except zstandard.ZstdError as exc:
+            raise FormatError(f"{where}: body does not decompress: {exc}") from exc
+        if len(raw) != raw_len:
+            raise FormatError(f"{where}: body decompressed to {len(raw)} bytes, expected {raw_len}")
+    else:
+        if stored_len != raw_len:
+            raise FormatError(f"{where}: raw body of {stored_len} bytes, header says {raw_len}")
+        raw = body
+    arr = np.frombuffer(raw, np.uint8)
+    segments = []
+    off_pos = 0
+    off_val = sum(h[7] for h in heads)
+    for tensor, op_e, pos_e, val_e, start, stop, count, plen, vlen in heads:
+        segments.append(Segment(tensor, start, stop, op_e, pos_e, val_e, count,  # type: ignore[arg-type]
+                                arr[off_pos: off_pos + plen], arr[off_val: off_val + vlen]))
+        off_pos += plen
+        off_val += vlen
+    return ChunkFrame(tuple(segments))

@@ -1,0 +1,151 @@
+"""Manifests: the description of one representation of a version (see spec.md).
+
+A manifest is JSON (msgspec), human-readable with `weighthub inspect`. Writing the primary
+manifest of version v create-only *is* the commit of v. Parsing validates every field, every
+cross-reference (tensor indices, coverage ranges) and every limit before the manifest is used.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+
+import msgspec
+
+from ..errors import FormatError, FormatVersionError, LimitError
+from ..tensors import TensorSpec, dtype_named
+
+MANIFEST_FORMAT = 1
+KIND = "weighthub.manifest"
+MAX_MANIFEST_BYTES = 256 << 20
+MAX_TENSORS = 1 << 20
+MAX_CHUNKS = 1 << 20
+MAX_DIMS = 16
+MAX_ELEMENTS = 1 << 48
+_KEY_RE = re.compile(r"^[A-Za-z0-9._/\-]{1,512}$")
+_HEX32 = re.compile(r"^[0-9a-f]{32}$")
+
+
+class TensorEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str
+    dtype: str
+    shape: list[int]
+    digest: str  # xxh3-128 hex of the canonical bytes at this version
+    changed: int = 0  # elements that differ from the base (numel for a full version)
+    ops: list[str] = []  # "op/positions/values" used by this tensor's segments
+
+    def spec(self) -> TensorSpec:
+        return TensorSpec(self.name, dtype_named(self.dtype), tuple(self.shape))
+
+
+class ChunkRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    key: str  # store key, relative to the store root
+    size: int  # bytes of the chunk frame
+    checksum: str  # xxh3-128 hex of the chunk frame
+    covers: list[tuple[int, int, int]]  # (tensor index, start, stop): element ranges it owns
+
+
+class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    format: int
+    kind: str
+    model: str  # digest of the tensor table (names, dtypes, shapes): the model's identity
+    version: int
+    base: int | None  # None: a full representation
+    base_root: str | None
+    root: str  # root digest of the version
+    tensors: list[TensorEntry]
+    chunks: list[ChunkRef]
+    dense_bytes: int
+    payload_bytes: int
+    changed: int  # total changed elements vs base
+    publisher: str = ""
+    created: float = 0.0
+
+    @property
+    def is_full(self) -> bool:
+        return self.base is None
+
+    def specs(self) -> list[TensorSpec]:
+        return [t.spec() for t in self.tensors]
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode_manifest(m: Manifest) -> bytes:
+    return _encoder.encode(m)
+
+
+def decode_manifest(buf: bytes, *, where: str) -> Manifest:
+    """Parse and validate a manifest. Raises FormatError subclasses naming `where`."""
+    if len(buf) > MAX_MANIFEST_BYTES:
+        raise LimitError(f"{where}: manifest of {len(buf)} bytes exceeds {MAX_MANIFEST_BYTES}")
+    try:
+        head = msgspec.json.decode(buf)
+    except msgspec.DecodeError as exc:
+        raise FormatError(f"{where}: manifest is not valid JSON: {exc}") from exc
+    if not isinstance(head, dict) or head.get("kind") != KIND:
+        raise FormatError(f"{where}: not a weighthub manifest")
+    if head.get("format") != MANIFEST_FORMAT:
+        raise FormatVersionError(f"{where}: manifest format {head.get('format')!r}; this build "
+                                 f"reads {MANIFEST_FORMAT}: upgrade weighthub")
+    try:
+        m = msgspec.json.decode(buf, type=Manifest)
+    except msgspec.ValidationError as exc:
+        raise FormatError(f"{where}: invalid manifest: {exc}") from exc
+    _validate(m, where)
+    return m
+
+
+def _validate(m: Manifest, where: str) -> None:
+    if m.version < 0 or (m.base is not None and not 0 <= m.base < m.version):
+        raise FormatError(f"{where}: version {m.version} with base {m.base}")
+    if (m.base is None) != (m.base_root is None):
+        raise FormatError(f"{where}: base and base_root must both be set or both be null")
+    if len(m.tensors) > MAX_TENSORS or len(m.chunks) > MAX_CHUNKS:
+        raise LimitError(f"{where}: {len(m.tensors)} tensors / {len(m.chunks)} chunks over limits")
+    for digest in [m.root, m.model] + ([m.base_root] if m.base_root else []):
+        if not _HEX32.match(digest):
+            raise FormatError(f"{where}: {digest!r} is not a 128-bit hex digest")
+    numels = []
+    names = set()
+    for t in m.tensors:
+        dtype_named(t.dtype)
+        if len(t.shape) > MAX_DIMS or any(d < 0 for d in t.shape):
+            raise FormatError(f"{where}: tensor {t.name!r} has bad shape {t.shape}")
+        numel = math.prod(t.shape)
+        if numel > MAX_ELEMENTS:
+            raise LimitError(f"{where}: tensor {t.name!r} has {numel} elements")
+        if t.name in names or not t.name:
+            raise FormatError(f"{where}: tensor name {t.name!r} empty or repeated")
+        if not _HEX32.match(t.digest):
+            raise FormatError(f"{where}: tensor {t.name!r} digest {t.digest!r} is not 128-bit hex")
+        names.add(t.name)
+        numels.append(numel)
+    covered = [0] * len(numels)
+    keys = set()
+    for c in m.chunks:
+        if not _KEY_RE.match(c.key) or ".." in c.key.split("/") or c.key in keys:
+            raise FormatError(f"{where}: bad or repeated chunk key {c.key!r}")
+        keys.add(c.key)
+        if c.size <= 0 or not _HEX32.match(c.checksum):
+            raise FormatError(f"{where}: chunk {c.key!r} has bad size or checksum")
+        for ti, start, stop in c.covers:
+            if not 0 <= ti < len(numels) or not 0 <= start < stop <= numels[ti]:
+                raise FormatError(f"{where}: chunk {c.key!r} covers bad range "
+                                  f"({ti}, {start}, {stop})")
+            covered[ti] += stop - start
+    # coverage must tile every tensor exactly once (overlaps would double-apply)
+    for ti, (have, numel) in enumerate(zip(covered, numels, strict=True)):
+        if have != numel:
+            raise FormatError(f"{where}: chunks cover {have} of {numel} elements of tensor "
+                              f"{m.tensors[ti].name!r}")
+    _check_no_overlap(m, where)
+
+
+def _check_no_overlap(m: Manifest, where: str) -> None:
+    ranges = sorted((ti, start, stop) for c in m.chunks for ti, start, stop in c.covers)
+    for (t0, _s0, e0), (t1, s1, _e1) in itertools.pairwise(ranges):
+        if t0 == t1 and s1 < e0:
+            raise FormatError(f"{where}: chunk coverage overlaps in tensor {m.tensors[t0].name!r}")

@@ -1,0 +1,56 @@
+"""The Target protocol: what a receiver needs from the place weights live.
+
+Lifecycle (the receiver drives it, one transaction at a time):
+    held()            the committed version the target holds, or None
+    specs()           its tensor table, or None if it holds nothing yet
+    open(specs)       writable bit views by canonical name; materializes an empty target
+                      (allocated, not yet visible under its final name/place)
+    ... the receiver applies, verifies digests ...
+    commit(held)      make the new version durable and visible; record what is held
+    abort()           discard whatever open() materialized (bits were already rolled back)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from ..tensors import TensorSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """What a target holds: a committed version of a model from a store."""
+
+    store: str
+    model: str
+    version: int
+    root: str
+
+
+class Target(Protocol):
+    def held(self) -> Held | None: ...
+
+    def specs(self) -> list[TensorSpec] | None: ...
+
+    def open(self, specs: list[TensorSpec]) -> dict[str, np.ndarray]: ...
+
+    def commit(self, held: Held) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+def unique_views(views: dict[str, np.ndarray]) -> dict[str, str]:
+    """Map each name to the first name sharing its exact memory (tied weights).
+
+    Applying a delta twice through two aliases of one buffer would corrupt it, so the receiver
+    applies only through the first name and checks the others' digests.
+    """
+    first: dict[tuple[int, int, str], str] = {}
+    out = {}
+    for name, v in views.items():
+        key = (v.ctypes.data, v.size, v.dtype.str)
+        out[name] = first.setdefault(key, name)
+    return out

@@ -1,0 +1,253 @@
+"""A safetensors file, or a directory of them, as a target updated in place through mmap.
+
+What the file holds is recorded in a sidecar (`X.safetensors.weighthub.json` next to a file,
+`weighthub.json` inside a directory), written atomically at commit. A missing target is
+materialized under a temporary name and renamed into place at commit, so a failed pull leaves
+no file behind. While an in-place update runs the sidecar says "applying": a pull that finds
+that state (a crashed process) re-materializes the file rather than trusting mixed bits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import torch
+
+from ..errors import FormatError, LimitError, UsageError
+from ..tensors import TensorSpec, dtype_named
+from .base import Held
+
+MAX_HEADER_BYTES = 100 << 20
+SIDECAR_FILE_SUFFIX = ".weighthub.json"
+SIDECAR_DIR_NAME = "weighthub.json"
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    spec: TensorSpec
+    file: Path
+    offset: int  # absolute byte offset of the tensor's data in the file
+
+
+def read_header(path: Path) -> list[_Entry]:
+    """Parse and validate a safetensors header (before mapping anything)."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise FormatError(f"{path}: truncated safetensors file ({size} bytes)")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise LimitError(f"{path}: safetensors header of {n} bytes in a {size}-byte file")
+            raw = f.read(n)
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from exc
+    try:
+        header = json.loads(raw)
+    except ValueError as exc:
+        raise FormatError(f"{path}: safetensors header is not JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise FormatError(f"{path}: safetensors header is not an object")
+    data_start = 8 + n
+    entries = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = dtype_named(info["dtype"])
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(f"{path}: bad header entry for {name!r}: {exc}") from exc
+        numel = math.prod(shape)
+        if any(d < 0 for d in shape) or end - begin != numel * dtype.width or begin < 0 \
+                or data_start + end > size:
+            raise FormatError(f"{path}: tensor {name!r} has inconsistent offsets/shape")
+        entries.append(_Entry(TensorSpec(name, dtype, shape), path, data_start + begin))
+    return entries
+
+
+def _files_of(path: Path) -> list[Path]:
+    if path.is_dir():
+        return sorted(p for p in path.iterdir() if p.suffix == ".safetensors")
+    return [path]
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Read a .safetensors file or a directory of them into CPU tensors (memory-mapped)."""
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"checkpoint {p} does not exist")
+    files = _files_of(p)
+    if not files:
+        raise UsageError(f"{p} holds no .safetensors files")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        for e in read_header(f):
+            if e.spec.name in state:
+                raise FormatError(f"{f}: tensor {e.spec.name!r} appears in two files")
+            words = np.fromfile(f, dtype=e.spec.dtype.uint, count=e.spec.numel, offset=e.offset)
+            t = torch.from_numpy(words.view(np.uint8))
+            state[e.spec.name] = t.view(e.spec.dtype.torch_dtype).reshape(e.spec.shape)
+    return state
+
+
+class _Sidecar(msgspec.Struct):
+    store: str
+    model: str
+    version: int
+    root: str
+    state: str  # "committed" | "applying"
+
+
+class SafetensorsTarget:
+    """OUT as a `.safetensors` file (path ends with .safetensors) or a directory of them."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path).absolute()
+        self.is_file = self.path.suffix == ".safetensors"
+        self._maps: list[np.memmap] = []
+        self._tmp: Path | None = None
+
+    # -- sidecar ------------------------------------------------------------------------------
+    @property
+    def sidecar(self) -> Path:
+        if self.is_file:
+            return self.path.with_name(self.path.name + SIDECAR_FILE_SUFFIX)
+        return self.path / SIDECAR_DIR_NAME
+
+    def _read_sidecar(self) -> _Sidecar | None:
+        try:
+            return msgspec.json.decode(self.sidecar.read_bytes(), type=_Sidecar)
+        except FileNotFoundError:
+            return None
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None  # unreadable: treat as holding nothing (it will be re-materialized)
+
+    def _write_sidecar(self, side: _Sidecar, where: Path | None = None) -> None:
+        dest = where or self.sidecar
+        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}")
+        tmp.write_bytes(msgspec.json.encode(side))
+        os.replace(tmp, dest)
+
+    def exists(self) -> bool:
+        return self.path.exists() and bool(_files_of(self.path))
+
+    # -- Target protocol ----------------------------------------------------------------------
+    def held(self) -> Held | None:
+        side = self._read_sidecar()
+        if side is None or side.state != "committed" or not self.exists():
+            return None
+        return Held(side.store, side.model, side.version, side.root)
+
+    def specs(self) -> list[TensorSpec] | None:
+        if self.held() is None:
+            return None  # not holding a version: it will be materialized afresh
+        return sorted((e.spec for f in _files_of(self.path) for e in read_header(f)),
+                      key=lambda s: s.name)
+
+    def open(self, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
+        held = self.held()
+        if held is None:
+            return self._materialize(specs)
+        self._write_sidecar(_Sidecar(held.store, held.model, held.version, held.root, "applying"))
+        return self._map(_files_of(self.path))
+
+    def commit(self, held: Held) -> None:
+        for m in self._maps:
+            m.flush()
+        self._maps.clear()
+        side = _Sidecar(held.store, held.model, held.version, held.root, "committed")
+        if self._tmp is not None:
+            tmp, self._tmp = self._tmp, None
+            if self.is_file:
+                os.replace(tmp, self.path)
+            else:
+                self._write_sidecar(side, tmp / SIDECAR_DIR_NAME)
+                if self.path.exists():
+                    self.path.rmdir()  # an empty directory (checked in _materialize)
+                os.replace(tmp, self.path)
+                return
+        self._write_sidecar(side)
+
+    def abort(self) -> None:
+        for m in self._maps:
+            m.flush()
+        self._maps.clear()
+        if self._tmp is not None:
+            tmp, self._tmp = self._tmp, None
+            if tmp.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
+            return
+        side = self._read_sidecar()
+        if side is not None and side.state == "applying":
+            side.state = "committed"  # the receiver rolled the bits back before calling abort
+            self._write_sidecar(side)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _map(self, files: list[Path]) -> dict[str, np.ndarray]:
+        views: dict[str, np.ndarray] = {}
+        for f in files:
+            entries = read_header(f)
+            if not entries:
+                continue
+            m = np.memmap(f, dtype=np.uint8, mode="r+")
+            self._maps.append(m)
+            for e in entries:
+                raw = m[e.offset: e.offset + e.spec.nbytes]
+                if e.spec.nbytes and e.offset % e.spec.dtype.width:
+                    raise FormatError(f"{f}: tensor {e.spec.name!r} is not aligned for in-place "
+                                      "update; re-materialize the file")
+                views[e.spec.name] = raw.view(e.spec.dtype.uint)
+        return views
+
+    def _materialize(self, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
+        if not self.is_file and self.path.exists() and any(self.path.iterdir()):
+            raise UsageError(f"{self.path} is a non-empty directory that holds no weighthub "
+                             "version; remove it or pull into another path")
+        token = uuid.uuid4().hex[:8]
+        if self.is_file:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._tmp = file = self.path.with_name(f".{self.path.name}.tmp-{token}")
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._tmp = self.path.with_name(f".{self.path.name}.tmp-{token}")
+            self._tmp.mkdir()
+            file = self._tmp / "model.safetensors"
+        write_empty_safetensors(file, specs)
+        return self._map([file])
+
+
+def write_empty_safetensors(path: Path, specs: list[TensorSpec]) -> None:
+    """A safetensors file with the given tensors, zero-filled (sparse).
+
+    Tensors are laid out widest dtype first: safetensors wants contiguous data, and this order
+    keeps every tensor aligned to its width so it can be updated through integer views.
+    """
+    header: dict[str, object] = {}
+    offset = 0
+    for s in sorted(specs, key=lambda s: (-s.dtype.width, s.name)):
+        header[s.name] = {"dtype": s.dtype.name, "shape": list(s.shape),
+                          "data_offsets": [offset, offset + s.nbytes]}
+        offset += s.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        f.truncate(8 + len(raw) + offset)
+
+
+__all__ = ["SafetensorsTarget", "load_checkpoint", "write_empty_safetensors"]
