@@ -106,7 +106,9 @@ def plan(store: Store, start: int | None, target: int) -> list[Rep]:
     if target not in versions:
         raise VersionNotFound(f"version {target} is not committed in {store.url} "
                               f"(have {versions[-5:] if versions else 'none'})")
-    lo = start if start is not None else -1
+    # a full representation starts a route from anywhere (also backwards, to an older version);
+    # a delta only from its own base, so only versions after `start` matter for those
+    lo = start if start is not None and start < target else -1
     reps_to: dict[int, list[Rep]] = {v: representations(store, v) for v in versions if v > lo}
     # Dijkstra over versions; node -1 stands for "nothing held"
     origin = start if start is not None else -1
@@ -119,8 +121,6 @@ def plan(store: Store, start: int | None, target: int) -> list[Rep]:
         if cost > best[node][0]:
             continue
         for v, reps in reps_to.items():
-            if v <= node:
-                continue
             for r in reps:
                 if r.base is None or r.base == node:
                     c = cost + r.payload_bytes

@@ -31,7 +31,7 @@ from .format.manifest import KIND, MANIFEST_FORMAT
 from .store import Store
 from .tensors import TensorSpec, bits, check_same_model, digest_bits, root_digest, specs_of
 
-DELTA_SPAN_BYTES = 64 << 20  # dense bytes per delta chunk (≈0.3-2 MiB on the wire at RL rates)
+DELTA_SPAN_BYTES = 32 << 20  # dense bytes per delta chunk (≈0.1-1 MiB on the wire at RL rates)
 FULL_SPAN_BYTES = 16 << 20  # dense bytes per full chunk (≈12 MiB on the wire)
 
 
@@ -181,7 +181,8 @@ class Publisher:
         span = self.full_span_bytes if base is None else self.delta_span_bytes
         plan = tile(specs, span)
         token = uuid.uuid4().hex[:12]
-        prefix = f"{catalog.version_dir(version)}/{catalog.rep_name(base and base.version)}-{token}"
+        base_version = None if base is None else base.version
+        prefix = f"{catalog.version_dir(version)}/{catalog.rep_name(base_version)}-{token}"
         changed = [0] * len(specs)
         ops: list[set[str]] = [set() for _ in specs]
 

@@ -135,9 +135,10 @@ class Receiver:
         current = self.target.specs()
         if current is not None:
             check_same_model(specs, current, "the target")
-        views = self.target.open(specs)
-        undo = UndoLog()
+        # a target holding nothing is materialized afresh and discarded on failure: no undo copy
+        undo = UndoLog(fresh=current is None)
         try:
+            views = self.target.open(specs)
             if held is not None and self.verify_base:
                 self._verify_root(views, specs, held.root)
             touched: set[int] = set()
@@ -166,6 +167,7 @@ class Receiver:
                         undo: UndoLog, touched: set[int]) -> None:
         specs = m.specs()
         alias = unique_views({s.name: views[s.name] for s in specs})
+        touched.update(i for i, s in enumerate(specs) if alias[s.name] != s.name)  # verify aliases
         for frame, ref in zip(frames, m.chunks, strict=True):
             for seg in frame.segments:
                 spec = specs[seg.tensor]

@@ -133,7 +133,7 @@ def tensor_digest(t: torch.Tensor) -> bytes:
 def digest_bits(b: np.ndarray) -> bytes:
     h = xxhash.xxh3_128()
     # memoryview of the contiguous array: no copy; xxhash releases the GIL on large buffers
-    h.update(memoryview(np.ascontiguousarray(b)).cast("B"))
+    h.update(np.ascontiguousarray(b).view(np.uint8).data)
     return h.digest()
 
 

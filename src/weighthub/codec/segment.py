@@ -77,57 +77,94 @@ class EncodePolicy:
     mask_ops: allow xor/add (the receiver's placement copies bits). False forces overwrite,
       for placements that convert values (quantization, dtype casts).
     groups: allow exponent-grouped positions (smaller, slower to decode).
+    group_probe: on large segments, first try groups on a few sample windows and build the full
+      grouped stream only if they beat plain gaps there (grouping costs a pass over every
+      element; on deltas whose changes do not depend on magnitude it never wins).
+    value_sample: choose the value coding from byte histograms of at most about this many
+      changed elements (evenly strided); 0 = all of them.
     """
 
     mask_ops: bool = True
     groups: bool = True
     min_group_count: int = 256  # below this the group table costs more than it saves
+    group_probe: bool = True
+    value_sample: int = 1 << 16
 
 
 DEFAULT_POLICY = EncodePolicy()
 
-# Sub-block for change detection: bounds scratch memory to 8 MiB whatever the tensor size.
-_FIND_BLOCK = 1 << 20
 # Expected dense+zstd-1 size relative to raw for float weights (measured 0.78 for bf16).
 _DENSE_RATIO = 0.8
+# Group probe: this many windows of this many elements, on segments at least 4x their total.
+_PROBE_WINDOWS = 8
+_PROBE_WINDOW = 1 << 18
 
 
-def changed_positions(old: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """Sorted int64 positions where two equal-length bit arrays differ."""
-    if old.shape != new.shape or old.dtype != new.dtype:
+@dataclass(frozen=True, slots=True)
+class _Changes:
+    """Changed positions of a range with their old and new words, in increasing position order."""
+
+    pos: np.ndarray  # int64
+    old: np.ndarray  # dtype of the bit arrays
+    new: np.ndarray
+
+
+def _scan(old: np.ndarray, new: np.ndarray, limit: int) -> _Changes | None:
+    """Every changed element of two equal-length bit arrays, or None if more than `limit`."""
+    if old.shape != new.shape or old.dtype != new.dtype or old.ndim != 1:
         raise ValueError(f"changed_positions: {old.dtype}{old.shape} vs {new.dtype}{new.shape}")
     n = old.shape[0]
     width = old.itemsize
     lanes = 8 // width
-    parts: list[np.ndarray] = []
-    scratch = np.empty(min(n, _FIND_BLOCK) + lanes, np.int64)
-    for lo in range(0, n, _FIND_BLOCK):
-        hi = min(n, lo + _FIND_BLOCK)
-        a, b = old[lo:hi], new[lo:hi]
-        words = (hi - lo) // lanes
-        k = 0
-        aligned = a.ctypes.data % 8 == 0 and b.ctypes.data % 8 == 0
-        if words and aligned:
-            k = K.find_changed_words(
-                a[: words * lanes].view(np.uint64), b[: words * lanes].view(np.uint64),
-                lanes, 8 * width, scratch,
-            )
-            k = K.find_changed_tail(a, b, words * lanes, scratch, k)
-        else:
-            k = K.find_changed_tail(a, b, 0, scratch, 0)
-        if k:
-            parts.append(scratch[:k] + lo)
-    return np.concatenate(parts) if parts else np.empty(0, np.int64)
+    if (old.ctypes.data - new.ctypes.data) % 8 or old.ctypes.data % width:
+        # no common word alignment (rare: slices of differently placed buffers); a copy of
+        # both is cheaper than an element-wise scan
+        old, new = old.copy(), new.copy()
+    head = min(n, (-old.ctypes.data % 8) // width)  # elements before the first word boundary
+    words = (n - head) // lanes
+    stop = head + words * lanes
+    slack = K.SCAN_CHUNK * lanes + lanes
+    cap = n // 32 + slack  # ~3% changed fits without growing
+    pos, ov, nv = np.empty(cap, np.int64), np.empty(cap, old.dtype), np.empty(cap, old.dtype)
+    k = K.scan_tail(old, new, 0, head, pos, ov, nv, 0)
+    a64, b64 = old[head:stop].view(np.uint64), new[head:stop].view(np.uint64)
+    wbuf = np.empty(K.SCAN_CHUNK, np.int64)
+    w = 0
+    while True:
+        k, w = K.scan_changes(a64, b64, lanes, 8 * width, head, w, wbuf, pos, ov, nv, k)
+        if k > limit:
+            return None
+        if w == words and pos.size - k >= n - stop:
+            break
+        grown = 2 * pos.size + slack  # out of room for another chunk or the tail: double
+        pos, ov, nv = (np.concatenate([x[:k], np.empty(grown - k, x.dtype)]) for x in (pos, ov, nv))
+    k = K.scan_tail(old, new, stop, n, pos, ov, nv, k)
+    if k > limit:
+        return None
+    return _Changes(pos[:k], ov[:k], nv[:k])
+
+
+def changed_positions(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """Sorted int64 positions where two equal-length bit arrays differ."""
+    changes = _scan(old, new, old.shape[0])
+    assert changes is not None
+    return changes.pos
+
+
+def _entropy_of_hist(hist: np.ndarray, scale: float = 1.0) -> float:
+    """Order-0 entropy in bytes of a stream with this byte histogram, `scale` times as long."""
+    total = int(hist.sum())
+    if total == 0:
+        return 0.0
+    p = hist[hist > 0] / total
+    return float(-(p * np.log2(p)).sum() * total * scale / 8) + 16
 
 
 def _entropy_bytes(stream: np.ndarray) -> float:
     """Order-0 entropy of a byte stream, in bytes: what zstd-1's Huffman stage approaches."""
-    if stream.size == 0:
-        return 0.0
     hist = np.zeros(256, np.int64)
     K.byte_histogram(stream, hist)
-    p = hist[hist > 0] / stream.size
-    return float(-(p * np.log2(p)).sum() * stream.size / 8) + 16
+    return _entropy_of_hist(hist)
 
 
 def _width_masks(dtype: DType) -> tuple[np.uint64, int]:
@@ -140,11 +177,12 @@ def _varint_bound(count: int) -> int:
     return count * 10 + 16
 
 
-def _encode_vals(old: np.ndarray, new: np.ndarray, pos: np.ndarray, codec: Values,
-                 dtype: DType) -> np.ndarray:
+def _encode_vals(ch: _Changes, codec: Values, dtype: DType) -> np.ndarray:
+    if codec == Values.RAW:  # the new words themselves, little-endian
+        return np.ascontiguousarray(ch.new, ch.new.dtype.newbyteorder("<")).view(np.uint8)
     mask, sign_shift = _width_masks(dtype)
-    out = np.empty(max(_varint_bound(pos.size), pos.size * dtype.width), np.uint8)
-    used = K.encode_values(old, new, pos, pos.size, int(codec), mask, sign_shift, out)
+    out = np.empty(_varint_bound(ch.pos.size), np.uint8)
+    used = K.encode_values(ch.old, ch.new, ch.pos.size, int(codec), mask, sign_shift, out)
     return out[:used]
 
 
@@ -153,27 +191,52 @@ def _encode_gaps(pos: np.ndarray) -> np.ndarray:
     return out[: K.encode_gaps(pos, pos.size, out)]
 
 
-def _varints(values: np.ndarray) -> np.ndarray:
-    # encode_gaps of a cumulative sequence yields the plain varints of `values`
-    return _encode_gaps(np.cumsum(values.astype(np.int64) + 1) - 1)
-
-
 def _encode_groups(old: np.ndarray, pos: np.ndarray, dtype: DType) -> np.ndarray:
     keys = np.empty(pos.size, np.uint64)
     ranks = np.empty(pos.size, np.int64)
-    K.group_ranks(old, pos, pos.size, dtype.exponent_shift, np.uint64(dtype.exponent_mask),
-                  keys, ranks)
-    order = np.argsort(keys, kind="stable")
-    skeys, sranks = keys[order], ranks[order]
-    starts = np.flatnonzero(np.r_[True, skeys[1:] != skeys[:-1]])
-    counts = np.diff(np.r_[starts, skeys.size])
-    prev = np.r_[-1, sranks[:-1]]
-    prev[starts] = -1
-    table = np.empty(2 * starts.size, np.int64)
-    table[0::2] = skeys[starts].astype(np.int64)
-    table[1::2] = counts
-    head = _varints(np.r_[starts.size, table])
-    return np.concatenate([head, _varints(sranks - prev - 1)])
+    done = K.group_ranks(old, pos, pos.size, dtype.exponent_shift, np.uint64(dtype.exponent_mask),
+                         keys, ranks)
+    if done != pos.size:
+        raise ValueError("grouped positions: positions not increasing or out of range")
+    size = dtype.exponent_mask + 1
+    out = np.empty(_varint_bound(pos.size + 2 * size), np.uint8)
+    return out[: K.encode_group_stream(keys, ranks, pos.size, size, out)]
+
+
+def _groups_promising(old: np.ndarray, pos: np.ndarray, dtype: DType) -> bool:
+    """Do groups beat gaps on a few evenly spaced windows? (Cheap stand-in for the full pass.)
+
+    Each window is coded as a segment of its own; the per-window group tables count against
+    groups, so a marginal gain is not worth the full pass anyway.
+    """
+    n = old.shape[0]
+    est_groups = est_gaps = 0.0
+    for w in range(_PROBE_WINDOWS):
+        lo = (n - _PROBE_WINDOW) * w // (_PROBE_WINDOWS - 1)
+        hi = lo + _PROBE_WINDOW
+        a, b = np.searchsorted(pos, [lo, hi])
+        sub = pos[a:b] - lo
+        est_gaps += _entropy_bytes(_encode_gaps(sub))
+        est_groups += _entropy_bytes(_encode_groups(old[lo:hi], sub, dtype))
+    return est_groups < est_gaps
+
+
+def _choose_values(ch: _Changes, dtype: DType, policy: EncodePolicy
+                   ) -> tuple[float, Op, Values, np.ndarray]:
+    """The smallest allowed value coding by order-0 entropy, estimated on a strided sample."""
+    count = ch.pos.size
+    stride = max(1, count // policy.value_sample) if policy.value_sample > 0 else 1
+    mask, sign_shift = _width_masks(dtype)
+    hists = np.zeros((3, 256), np.int64)
+    K.value_histograms(ch.old, ch.new, count, stride, mask, sign_shift,
+                       hists[0], hists[1], hists[2])
+    scale = count / len(range(0, count, stride))
+    candidates = [(_entropy_of_hist(hists[2], scale), Op.OVERWRITE, Values.RAW)]
+    if policy.mask_ops:
+        candidates = [(_entropy_of_hist(hists[0], scale), Op.ADD, Values.ZIGZAG),
+                      (_entropy_of_hist(hists[1], scale), Op.XOR, Values.VARINT), *candidates]
+    est, op, codec = min(candidates, key=lambda c: c[0])
+    return est, op, codec, _encode_vals(ch, codec, dtype)
 
 
 def _dense_segment(tensor: int, start: int, new: np.ndarray) -> Segment:
@@ -191,37 +254,32 @@ def encode_segment(old: np.ndarray | None, new: np.ndarray, dtype: DType, *, ten
     """
     if old is None:
         return _dense_segment(tensor, start, new)
-    pos = changed_positions(old, new)
     n = new.size
+    ch = _scan(old, new, n // 2)
+    if ch is None:  # more than half changed
+        return _dense_segment(tensor, start, new)
+    pos = ch.pos
     if pos.size == 0:
         return None
     dense_est = n * dtype.width * (_DENSE_RATIO if dtype.is_float else 1.0)
-    if pos.size * 2 > n:
-        return _dense_segment(tensor, start, new)
 
     # positions: gaps always; groups for floats with enough changes; bitmap when dense-ish
     candidates: list[tuple[float, Positions, np.ndarray]] = []
     gaps = _encode_gaps(pos)
     candidates.append((_entropy_bytes(gaps), Positions.GAPS, gaps))
-    if policy.groups and dtype.is_float and pos.size >= policy.min_group_count:
+    if (policy.groups and dtype.is_float and pos.size >= policy.min_group_count
+            and (not policy.group_probe or n < 4 * _PROBE_WINDOWS * _PROBE_WINDOW
+                 or _groups_promising(old, pos, dtype))):
         grouped = _encode_groups(old, pos, dtype)
         candidates.append((_entropy_bytes(grouped), Positions.GROUPS, grouped))
     if pos.size * 16 > n:
-        mask = np.zeros(n, np.bool_)
-        mask[pos] = True
-        bitmap = np.packbits(mask, bitorder="little")
+        bitmask = np.zeros(n, np.bool_)
+        bitmask[pos] = True
+        bitmap = np.packbits(bitmask, bitorder="little")
         candidates.append((_entropy_bytes(bitmap), Positions.BITMAP, bitmap))
     pos_est, pos_codec, pos_bytes = min(candidates, key=lambda c: c[0])
 
-    val_candidates: list[tuple[float, Op, Values, np.ndarray]] = []
-    if policy.mask_ops:
-        for op, codec in ((Op.ADD, Values.ZIGZAG), (Op.XOR, Values.VARINT)):
-            vb = _encode_vals(old, new, pos, codec, dtype)
-            val_candidates.append((_entropy_bytes(vb), op, codec, vb))
-    raw = _encode_vals(old, new, pos, Values.RAW, dtype)
-    val_candidates.append((_entropy_bytes(raw), Op.OVERWRITE, Values.RAW, raw))
-    val_est, op, val_codec, val_bytes = min(val_candidates, key=lambda c: c[0])
-
+    val_est, op, val_codec, val_bytes = _choose_values(ch, dtype, policy)
     if pos_est + val_est >= dense_est:
         return _dense_segment(tensor, start, new)
     return Segment(tensor, start, start + n, op, pos_codec, val_codec, int(pos.size),
@@ -238,9 +296,14 @@ class _UndoEntry:
 
 @dataclass(slots=True)
 class UndoLog:
-    """Old words of everything a transaction changed, to restore them exactly (idempotent)."""
+    """Old words of everything a transaction changed, to restore them exactly (idempotent).
+
+    fresh: the destination holds nothing worth restoring (a target being materialized, which
+    is discarded on failure), so dense segments skip the copy of the old bits.
+    """
 
     entries: list[_UndoEntry] = field(default_factory=list)
+    fresh: bool = False
 
     def rollback(self) -> None:
         for e in reversed(self.entries):
@@ -269,7 +332,8 @@ def _check(status: int, where: str) -> None:
         raise FormatError(f"{where}: corrupt segment: {_STATUS.get(status, status)}")
 
 
-def _decode_group_positions(seg: Segment, old: np.ndarray, dtype: DType, where: str) -> np.ndarray:
+def _group_table(seg: Segment, dtype: DType, where: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """The group table of a GROUPS position stream: (keys, counts, offset of the rank gaps)."""
     buf = seg.pos_bytes
     head: list[int] = []
     i = 0
@@ -297,11 +361,7 @@ def _decode_group_positions(seg: Segment, old: np.ndarray, dtype: DType, where: 
         raise FormatError(f"{where}: group keys out of range or repeated")
     if int(counts.sum()) != seg.count:
         raise FormatError(f"{where}: group counts sum to {int(counts.sum())}, header says {seg.count}")
-    out = np.empty(seg.count, np.int64)
-    status = K.decode_group_positions(old, dtype.exponent_shift, np.uint64(dtype.exponent_mask),
-                                      keys, counts, buf[i:], seg.count, out)
-    _check(status, where)
-    return out
+    return keys, counts, i
 
 
 def apply_segment(seg: Segment, dst: np.ndarray, dtype: DType, undo: UndoLog, where: str) -> None:
@@ -316,19 +376,26 @@ def apply_segment(seg: Segment, dst: np.ndarray, dtype: DType, undo: UndoLog, wh
         if seg.val_bytes.size != seg.numel * dtype.width:
             raise FormatError(f"{where}: dense segment has {seg.val_bytes.size} bytes, "
                               f"expected {seg.numel * dtype.width}")
-        undo.entries.append(_UndoEntry(dst, None, dst.copy(), 0))
+        if not undo.fresh:
+            undo.entries.append(_UndoEntry(dst, None, dst.copy(), 0))
         np.copyto(dst, seg.val_bytes.view(dtype.uint))
         return
+    if not 0 <= seg.count <= seg.numel:
+        raise FormatError(f"{where}: {seg.count} changes in a range of {seg.numel} elements")
     mask, _ = _width_masks(dtype)
     undo_pos = np.empty(seg.count, np.int64)
     undo_val = np.empty(seg.count, dtype.uint)
     if seg.positions == Positions.GAPS:
         status, done = K.apply_gap_stream(dst, seg.pos_bytes, int(seg.op), int(seg.values),
                                           seg.val_bytes, seg.count, mask, undo_pos, undo_val)
+    elif seg.positions == Positions.GROUPS:
+        keys, counts, offset = _group_table(seg, dtype, where)
+        status, done = K.apply_group_stream(
+            dst, dtype.exponent_shift, np.uint64(dtype.exponent_mask), keys, counts,
+            seg.pos_bytes[offset:], int(seg.op), int(seg.values), seg.val_bytes, seg.count, mask,
+            undo_pos, undo_val)
     else:
-        if seg.positions == Positions.GROUPS:
-            pos = _decode_group_positions(seg, dst, dtype, where)
-        elif seg.positions == Positions.BITMAP:
+        if seg.positions == Positions.BITMAP:
             if seg.pos_bytes.size != math.ceil(seg.numel / 8):
                 raise FormatError(f"{where}: bitmap of {seg.pos_bytes.size} bytes for "
                                   f"{seg.numel} elements")

@@ -54,7 +54,7 @@ def encode_chunk(segments: list[Segment], *, compress: bool = True) -> bytes:
     if compress:
         cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
         chunker = cctx.chunker(size=raw_len)
-        parts = [bytes(p) for x in streams if x.size for p in chunker.compress(memoryview(x))]
+        parts = [bytes(p) for x in streams if x.size for p in chunker.compress(x.data)]
         parts += [bytes(p) for p in chunker.finish()]
         body = b"".join(parts)
     else:
@@ -117,7 +117,8 @@ def decode_chunk(buf: bytes | memoryview, *, where: str, max_body: int = MAX_BOD
             if params.content_size != raw_len:
                 raise FormatError(f"{where}: compressed body declares {params.content_size} "
                                   f"bytes, header says {raw_len}")
-            raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=raw_len)
+            raw: bytes | memoryview = zstandard.ZstdDecompressor().decompress(
+                body, max_output_size=raw_len)
         except zstandard.ZstdError as exc:
             raise FormatError(f"{where}: body does not decompress: {exc}") from exc
         if len(raw) != raw_len:

@@ -13,7 +13,7 @@ import re
 
 import msgspec
 
-from ..errors import FormatError, FormatVersionError, LimitError
+from ..errors import FormatError, FormatVersionError, LimitError, UnknownCodecError
 from ..tensors import TensorSpec, dtype_named
 
 MANIFEST_FORMAT = 1
@@ -111,7 +111,10 @@ def _validate(m: Manifest, where: str) -> None:
     numels = []
     names = set()
     for t in m.tensors:
-        dtype_named(t.dtype)
+        try:
+            dtype_named(t.dtype)
+        except UnknownCodecError as exc:
+            raise UnknownCodecError(f"{where}: tensor {t.name!r}: {exc}") from None
         if len(t.shape) > MAX_DIMS or any(d < 0 for d in t.shape):
             raise FormatError(f"{where}: tensor {t.name!r} has bad shape {t.shape}")
         numel = math.prod(t.shape)
@@ -126,7 +129,7 @@ def _validate(m: Manifest, where: str) -> None:
     covered = [0] * len(numels)
     keys = set()
     for c in m.chunks:
-        if not _KEY_RE.match(c.key) or ".." in c.key.split("/") or c.key in keys:
+        if not _KEY_RE.match(c.key) or {"", ".", ".."} & set(c.key.split("/")) or c.key in keys:
             raise FormatError(f"{where}: bad or repeated chunk key {c.key!r}")
         keys.add(c.key)
         if c.size <= 0 or not _HEX32.match(c.checksum):

@@ -107,7 +107,7 @@ class LocalStore:
         path = self.root / check_key(prefix) if prefix else self.root
         try:
             return sorted(p.name for p in path.iterdir() if not p.name.startswith(".tmp-"))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # an object has no children
             return []
         except OSError as exc:
             raise StoreUnavailable(f"cannot list {path}: {exc.strerror}") from exc

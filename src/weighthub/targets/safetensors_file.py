@@ -9,6 +9,7 @@ that state (a crashed process) re-materializes the file rather than trusting mix
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -22,7 +23,7 @@ import msgspec
 import numpy as np
 import torch
 
-from ..errors import FormatError, LimitError, UsageError
+from ..errors import FormatError, LimitError, UnknownCodecError, UsageError
 from ..tensors import TensorSpec, dtype_named
 from .base import Held
 
@@ -60,20 +61,31 @@ def read_header(path: Path) -> list[_Entry]:
         raise FormatError(f"{path}: safetensors header is not an object")
     data_start = 8 + n
     entries = []
+    spans = []
     for name, info in header.items():
         if name == "__metadata__":
             continue
         try:
             dtype = dtype_named(info["dtype"])
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
+            shape = tuple(info["shape"])
+            begin, end = info["data_offsets"]
         except (KeyError, TypeError, ValueError) as exc:
             raise FormatError(f"{path}: bad header entry for {name!r}: {exc}") from exc
+        except UnknownCodecError as exc:  # name the file: it is the user's input
+            raise UnknownCodecError(f"{path}: tensor {name!r}: {exc}") from None
+        if not all(type(x) is int for x in (*shape, begin, end)):  # not 2.5, "3" or true
+            raise FormatError(f"{path}: tensor {name!r} has non-integer shape or offsets")
         numel = math.prod(shape)
         if any(d < 0 for d in shape) or end - begin != numel * dtype.width or begin < 0 \
                 or data_start + end > size:
             raise FormatError(f"{path}: tensor {name!r} has inconsistent offsets/shape")
         entries.append(_Entry(TensorSpec(name, dtype, shape), path, data_start + begin))
+        spans.append((begin, end, name))
+    # overlapping tensors would alias each other: an in-place update of one corrupts the other
+    spans.sort()
+    for (_b0, e0, n0), (b1, _e1, n1) in itertools.pairwise(spans):
+        if b1 < e0:
+            raise FormatError(f"{path}: tensors {n0!r} and {n1!r} overlap in the file")
     return entries
 
 
@@ -84,7 +96,8 @@ def _files_of(path: Path) -> list[Path]:
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Read a .safetensors file or a directory of them into CPU tensors (memory-mapped)."""
+    """Read a .safetensors file or a directory of them into CPU tensors (copies, not maps:
+    a later in-place pull into the same file must not change tensors already loaded)."""
     p = Path(path)
     if not p.exists():
         raise UsageError(f"checkpoint {p} does not exist")
@@ -118,6 +131,7 @@ class SafetensorsTarget:
         self.is_file = self.path.suffix == ".safetensors"
         self._maps: list[np.memmap] = []
         self._tmp: Path | None = None
+        self._applying = False  # this instance marked the sidecar "applying" (see abort)
 
     # -- sidecar ------------------------------------------------------------------------------
     @property
@@ -158,25 +172,44 @@ class SafetensorsTarget:
 
     def open(self, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
         held = self.held()
-        if held is None:
-            return self._materialize(specs)
-        self._write_sidecar(_Sidecar(held.store, held.model, held.version, held.root, "applying"))
-        return self._map(_files_of(self.path))
+        try:
+            if held is None:
+                return self._materialize(specs)
+            # map first: a file that cannot be updated in place must not be marked "applying"
+            views = self._map(_files_of(self.path))
+            self._write_sidecar(_Sidecar(held.store, held.model, held.version, held.root,
+                                         "applying"))
+            self._applying = True
+            return views
+        except BaseException:
+            # the receiver calls open() outside its rollback scope: undo our own side effects
+            # (not abort(): a sidecar left "applying" by a crashed process must stay so)
+            self._maps.clear()
+            self._discard_tmp()
+            raise
 
     def commit(self, held: Held) -> None:
         for m in self._maps:
             m.flush()
         self._maps.clear()
         side = _Sidecar(held.store, held.model, held.version, held.root, "committed")
+        self._applying = False
         if self._tmp is not None:
             tmp, self._tmp = self._tmp, None
             if self.is_file:
+                # an old sidecar must not outlive the bits it describes if we crash in between
+                self.sidecar.unlink(missing_ok=True)
                 os.replace(tmp, self.path)
             else:
                 self._write_sidecar(side, tmp / SIDECAR_DIR_NAME)
-                if self.path.exists():
-                    self.path.rmdir()  # an empty directory (checked in _materialize)
-                os.replace(tmp, self.path)
+                old = None
+                if self.path.exists() and any(self.path.iterdir()):
+                    # weighthub's own directory (checked in _materialize), e.g. after a crash
+                    old = self.path.with_name(f".{self.path.name}.old-{uuid.uuid4().hex[:8]}")
+                    os.replace(self.path, old)
+                os.replace(tmp, self.path)  # rename(2) replaces an empty directory atomically
+                if old is not None:
+                    shutil.rmtree(old, ignore_errors=True)
                 return
         self._write_sidecar(side)
 
@@ -184,19 +217,34 @@ class SafetensorsTarget:
         for m in self._maps:
             m.flush()
         self._maps.clear()
-        if self._tmp is not None:
-            tmp, self._tmp = self._tmp, None
-            if tmp.is_dir():
-                shutil.rmtree(tmp, ignore_errors=True)
-            else:
-                tmp.unlink(missing_ok=True)
-            return
+        if self._discard_tmp() or not self._applying:
+            return  # never bless an "applying" sidecar that a crashed process left behind
+        self._applying = False
         side = self._read_sidecar()
         if side is not None and side.state == "applying":
             side.state = "committed"  # the receiver rolled the bits back before calling abort
             self._write_sidecar(side)
 
     # -- helpers ------------------------------------------------------------------------------
+    def _discard_tmp(self) -> bool:
+        """Remove what _materialize created, if anything; True if there was something."""
+        if self._tmp is None:
+            return False
+        tmp, self._tmp = self._tmp, None
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+        return True
+
+    def _owned_directory(self) -> bool:
+        """A directory weighthub wrote (a sidecar, .safetensors files and nothing else), so
+        it may be re-materialized, e.g. after a crash left it "applying"."""
+        if self._read_sidecar() is None:
+            return False
+        return all(p.name == SIDECAR_DIR_NAME or (p.suffix == ".safetensors" and p.is_file())
+                   for p in self.path.iterdir())
+
     def _map(self, files: list[Path]) -> dict[str, np.ndarray]:
         views: dict[str, np.ndarray] = {}
         for f in files:
@@ -214,7 +262,8 @@ class SafetensorsTarget:
         return views
 
     def _materialize(self, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
-        if not self.is_file and self.path.exists() and any(self.path.iterdir()):
+        if not self.is_file and self.path.exists() and any(self.path.iterdir()) \
+                and not self._owned_directory():
             raise UsageError(f"{self.path} is a non-empty directory that holds no weighthub "
                              "version; remove it or pull into another path")
         token = uuid.uuid4().hex[:8]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..errors import UsageError
@@ -26,7 +27,7 @@ class StateDictTarget:
     def specs(self) -> list[TensorSpec] | None:
         return specs_of(self.state) if self.state else None
 
-    def open(self, specs: list[TensorSpec]):  # type: ignore[no-untyped-def]
+    def open(self, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
         if not self.state:
             for s in specs:
                 self.state[s.name] = torch.empty(s.shape, dtype=s.dtype.torch_dtype)

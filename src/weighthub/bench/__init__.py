@@ -1,0 +1,1 @@
+"""Benchmarks: peer baselines and measurements on real weight trajectories."""

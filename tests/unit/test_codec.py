@@ -1,0 +1,384 @@
+"""Property tests of the delta codec: every dtype, every op and position coding, bit-exact.
+
+Bits are compared through unsigned integer views only (never float equality: NaN, -0.0).
+A small reference encoder written from spec.md builds segments with each coding forced, so the
+decoder is tested against the spec independently of what the encoder happens to choose.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import random_bits, special_patterns
+from hypothesis import given
+from hypothesis import strategies as st
+
+from weighthub.codec import (
+    EncodePolicy,
+    Op,
+    Positions,
+    Segment,
+    UndoLog,
+    Values,
+    apply_segment,
+    encode_segment,
+)
+from weighthub.errors import FormatError
+from weighthub.format import decode_chunk, encode_chunk
+from weighthub.tensors import DTYPES, DType
+
+DTYPE_IDS = [d.name for d in DTYPES]
+FLOATS = [d for d in DTYPES if d.is_float]
+DENSITIES = [0.0, 1e-3, 0.01, 0.05, 0.2, 0.5, 0.9, 1.0]
+
+
+# --- reference encoder (spec.md, written independently of the kernels) ----------------------
+
+
+def leb128(v: int) -> bytes:
+    out = bytearray()
+    while v >= 0x80:
+        out.append((v & 0x7F) | 0x80)
+        v >>= 7
+    out.append(v)
+    return bytes(out)
+
+
+def u8(b: bytes) -> np.ndarray:
+    return np.frombuffer(b, np.uint8).copy()
+
+
+def ref_gaps(pos: np.ndarray) -> bytes:
+    prev, out = -1, bytearray()
+    for p in pos.tolist():
+        out += leb128(p - prev - 1)
+        prev = p
+    return bytes(out)
+
+
+def ref_groups(old: np.ndarray, pos: np.ndarray, dtype: DType) -> bytes:
+    keys = ((old.astype(np.uint64) >> np.uint64(dtype.exponent_shift))
+            & np.uint64(dtype.exponent_mask)).astype(np.int64)
+    seen: dict[int, int] = {}
+    ranks = {}
+    changed = set(pos.tolist())
+    per_group: dict[int, list[int]] = {}
+    for i, k in enumerate(keys.tolist()):
+        r = seen.get(k, 0)
+        if i in changed:
+            ranks[i] = r
+            per_group.setdefault(k, []).append(r)
+        seen[k] = r + 1
+    out = bytearray(leb128(len(per_group)))
+    for k in sorted(per_group):
+        out += leb128(k) + leb128(len(per_group[k]))
+    for k in sorted(per_group):
+        prev = -1
+        for r in per_group[k]:
+            out += leb128(r - prev - 1)
+            prev = r
+    return bytes(out)
+
+
+def ref_bitmap(n: int, pos: np.ndarray) -> bytes:
+    mask = np.zeros(n, np.bool_)
+    mask[pos] = True
+    return np.packbits(mask, bitorder="little").tobytes()
+
+
+def ref_values(old: np.ndarray, new: np.ndarray, pos: np.ndarray, codec: Values, dtype: DType) -> bytes:
+    bits = 8 * dtype.width
+    if codec == Values.RAW:
+        return new[pos].astype(np.dtype(dtype.uint).newbyteorder("<")).tobytes()
+    out = bytearray()
+    for o, n in zip(old[pos].tolist(), new[pos].tolist(), strict=True):
+        if codec == Values.VARINT:
+            out += leb128(o ^ n)
+        else:
+            d = (n - o) % (1 << bits)
+            s = d - (1 << bits) if d >> (bits - 1) else d  # the signed difference
+            out += leb128(2 * s if s >= 0 else -2 * s - 1)
+    return bytes(out)
+
+
+OP_FOR = {Values.VARINT: Op.XOR, Values.ZIGZAG: Op.ADD, Values.RAW: Op.OVERWRITE}
+
+
+def ref_segment(old: np.ndarray, new: np.ndarray, dtype: DType, positions: Positions,
+                values: Values, start: int = 0) -> Segment:
+    pos = np.flatnonzero(old != new)
+    if positions == Positions.GAPS:
+        pb = ref_gaps(pos)
+    elif positions == Positions.GROUPS:
+        pb = ref_groups(old, pos, dtype)
+    else:
+        pb = ref_bitmap(old.size, pos)
+    return Segment(0, start, start + old.size, OP_FOR[values], positions, values, int(pos.size),
+                   u8(pb), u8(ref_values(old, new, pos, values, dtype)))
+
+
+# --- generators ------------------------------------------------------------------------------
+
+
+def make_pair(dtype: DType, seed: int, n: int, density: float) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    old = random_bits(rng, dtype, n)
+    new = old.copy()
+    change = rng.random(n) < density
+    new[change] = random_bits(rng, dtype, int(change.sum()), special_frac=0.3)
+    if dtype.name != "BOOL" and change.any() and rng.random() < 0.5:
+        # mostly ±1 ulp moves, as RL steps make them (wrap-around at the ends is fine)
+        step = rng.choice(np.array([1, (1 << (8 * dtype.width)) - 1], np.uint64), int(change.sum()))
+        new[change] = (old[change].astype(np.uint64) + step).astype(dtype.uint)
+    return old, new
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def roundtrip(seg: Segment | None, old: np.ndarray, new: np.ndarray, dtype: DType) -> None:
+    """Apply seg to a copy of old: it must give new exactly; rollback must give old exactly."""
+    if seg is None:
+        assert same_bits(old, new)
+        return
+    dst = old.copy()
+    undo = UndoLog()
+    apply_segment(seg, dst, dtype, undo, "test")
+    assert same_bits(dst, new)
+    undo.rollback()
+    assert same_bits(dst, old)
+    undo.rollback()  # idempotent
+    assert same_bits(dst, old)
+
+
+pairs = st.builds(lambda seed, n, density: (seed, n, density),
+                  st.integers(0, 2**32 - 1), st.integers(1, 3000), st.sampled_from(DENSITIES))
+
+
+# --- encoder round trips ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@given(case=pairs, mask_ops=st.booleans(), groups=st.booleans())
+def test_encode_apply_roundtrip(dtype: DType, case, mask_ops: bool, groups: bool) -> None:
+    old, new = make_pair(dtype, *case)
+    policy = EncodePolicy(mask_ops=mask_ops, groups=groups, min_group_count=1)
+    seg = encode_segment(old, new, dtype, tensor=3, start=0, policy=policy)
+    if seg is not None:
+        assert (seg.tensor, seg.start, seg.stop) == (3, 0, old.size)
+        if not mask_ops:
+            assert seg.op in (Op.OVERWRITE, Op.DENSE)
+        if not groups:
+            assert seg.positions != Positions.GROUPS
+        if seg.op != Op.DENSE:
+            assert seg.count == int((old != new).sum())
+    roundtrip(seg, old, new, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@given(case=pairs, offset=st.integers(0, 7))
+def test_encoded_streams_match_the_spec(dtype: DType, case, offset: int) -> None:
+    """Whatever coding the encoder picks, its streams are byte-identical to the spec's encoding."""
+    old_full, new_full = make_pair(dtype, *case)
+    old, new = old_full[offset:], new_full[offset:]  # unaligned slices too
+    if old.size == 0:
+        return
+    seg = encode_segment(old, new, dtype, tensor=0, start=100,
+                         policy=EncodePolicy(min_group_count=1))
+    if seg is None or seg.op == Op.DENSE:
+        if seg is not None:
+            assert seg.positions == Positions.ALL and seg.values == Values.RAW
+            assert seg.val_bytes.tobytes() == new.astype(np.dtype(dtype.uint).newbyteorder("<")).tobytes()
+        return
+    ref = ref_segment(old, new, dtype, seg.positions, seg.values, start=100)
+    assert seg.op == OP_FOR[seg.values]
+    assert (seg.start, seg.stop, seg.count) == (ref.start, ref.stop, ref.count)
+    assert seg.pos_bytes.tobytes() == ref.pos_bytes.tobytes()
+    assert seg.val_bytes.tobytes() == ref.val_bytes.tobytes()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@given(case=pairs, positions=st.sampled_from([Positions.GAPS, Positions.GROUPS, Positions.BITMAP]),
+       values=st.sampled_from(list(Values)))
+def test_every_forced_coding_decodes(dtype: DType, case, positions: Positions, values: Values) -> None:
+    old, new = make_pair(dtype, *case)
+    if positions == Positions.GROUPS and not dtype.is_float:
+        positions = Positions.GAPS
+    roundtrip(ref_segment(old, new, dtype, positions, values), old, new, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@given(case=pairs)
+def test_segments_survive_a_chunk_frame(dtype: DType, case) -> None:
+    old, new = make_pair(dtype, *case)
+    half = old.size // 2
+    segs = [s for s in (
+        encode_segment(old[:half], new[:half], dtype, tensor=0, start=0) if half else None,
+        encode_segment(old[half:], new[half:], dtype, tensor=0, start=half),
+    ) if s is not None]
+    for compress in (False, True):
+        frame = decode_chunk(encode_chunk(segs, compress=compress), where="mem")
+        dst = old.copy()
+        undo = UndoLog()
+        for s in frame.segments:
+            apply_segment(s, dst[s.start:s.stop], dtype, undo, "mem")
+        assert same_bits(dst, new)
+        undo.rollback()
+        assert same_bits(dst, old)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_edge_shapes(dtype: DType) -> None:
+    rng = np.random.default_rng(7)
+    n = 50_000
+    old = random_bits(rng, dtype, n)
+    specials = special_patterns(dtype)
+    cases = {
+        "no change": old.copy(),
+        "all changed": old ^ dtype.uint(1) if dtype.name != "BOOL" else 1 - old,
+        "one element": old.copy(),
+        "very sparse": old.copy(),
+        "very dense": old.copy(),
+        "last element": old.copy(),
+    }
+    cases["one element"][n // 3] ^= dtype.uint(1)
+    cases["last element"][-1] ^= dtype.uint(1)
+    cases["very sparse"][rng.choice(n, 5, replace=False)] ^= dtype.uint(1)
+    dense_pos = rng.choice(n, int(0.45 * n), replace=False)
+    cases["very dense"][dense_pos] = specials[rng.integers(0, specials.size, dense_pos.size)]
+    for mask_ops in (True, False):
+        for groups in (True, False):
+            policy = EncodePolicy(mask_ops=mask_ops, groups=groups, min_group_count=1)
+            for name, new in cases.items():
+                seg = encode_segment(old, new, dtype, tensor=0, start=0, policy=policy)
+                assert (seg is None) == (name == "no change"), name
+                roundtrip(seg, old, new, dtype)
+    # single-element and empty ranges
+    one_old, one_new = old[:1].copy(), old[:1] ^ dtype.uint(1)
+    roundtrip(encode_segment(one_old, one_new, dtype, tensor=0, start=0), one_old, one_new, dtype)
+    empty = old[:0].copy()
+    assert encode_segment(empty, empty.copy(), dtype, tensor=0, start=0) is None
+    for positions in (Positions.GAPS, Positions.BITMAP):
+        for values in Values:
+            roundtrip(ref_segment(one_old, one_new, dtype, positions, values), one_old, one_new, dtype)
+
+
+def test_distinguishes_signed_zero_and_nan_payloads() -> None:
+    """-0.0 vs +0.0 and two NaNs are equal or unordered as floats, but distinct bits must travel."""
+    for dtype in FLOATS:
+        bits = 8 * dtype.width
+        sign = dtype.uint(1 << (bits - 1))
+        nan_a = dtype.uint((dtype.exponent_mask << dtype.exponent_shift) | 1)
+        nan_b = dtype.uint((dtype.exponent_mask << dtype.exponent_shift) | 2)
+        old = np.array([0, nan_a, 0, 5], dtype.uint)
+        new = np.array([sign, nan_b, 0, 5], dtype.uint)
+        for mask_ops in (True, False):
+            seg = encode_segment(old, new, dtype, tensor=0, start=0,
+                                 policy=EncodePolicy(mask_ops=mask_ops))
+            assert seg is not None
+            roundtrip(seg, old, new, dtype)
+
+
+# --- composition -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 2000),
+       d1=st.sampled_from(DENSITIES), d2=st.sampled_from(DENSITIES))
+def test_deltas_compose(dtype: DType, seed: int, n: int, d1: float, d2: float) -> None:
+    v0, v1 = make_pair(dtype, seed, n, d1)
+    _, step = make_pair(dtype, seed + 1, n, d2)
+    rng = np.random.default_rng(seed + 2)
+    v2 = np.where(rng.random(n) < d2, step, v1).astype(dtype.uint)
+    dst = v0.copy()
+    undo = UndoLog()
+    for a, b in ((v0, v1), (v1, v2)):
+        seg = encode_segment(a, b, dtype, tensor=0, start=0)
+        if seg is not None:
+            apply_segment(seg, dst, dtype, undo, "chain")
+    assert same_bits(dst, v2)
+    undo.rollback()
+    assert same_bits(dst, v0)
+    # on bit patterns, XORs and wrap-around differences compose exactly
+    assert same_bits((v0 ^ v1) ^ (v1 ^ v2), v0 ^ v2)
+    assert same_bits((v1 - v0) + (v2 - v1), v2 - v0)
+
+
+# --- hostile streams -------------------------------------------------------------------------
+
+DT = next(d for d in DTYPES if d.name == "BF16")
+N = 100
+
+
+def _base() -> np.ndarray:
+    return np.random.default_rng(3).integers(0, 1 << 16, N, dtype=np.uint16)
+
+
+def _seg(positions: Positions, pos_bytes: bytes, val_bytes: bytes, count: int,
+         op: Op = Op.XOR, values: Values = Values.VARINT) -> Segment:
+    return Segment(0, 0, N, op, positions, values, count, u8(pos_bytes), u8(val_bytes))
+
+
+HOSTILE = {
+    "truncated gap stream": _seg(Positions.GAPS, leb128(0) + leb128(1) + b"\x80", b"\x01" * 3, 3),
+    "truncated value stream": _seg(Positions.GAPS, leb128(0) + leb128(1) + leb128(2), b"\x01\x01", 3),
+    "position beyond range": _seg(Positions.GAPS, leb128(0) + leb128(5) + leb128(N), b"\x01" * 3, 3),
+    "huge gap": _seg(Positions.GAPS, leb128(0) + leb128(2**64 - 1), b"\x01" * 2, 2),
+    "trailing position bytes": _seg(Positions.GAPS, leb128(0) + leb128(1) + b"\x00", b"\x01" * 2, 2),
+    "trailing value bytes": _seg(Positions.GAPS, leb128(0) + leb128(1), b"\x01" * 3, 2),
+    "over-long varint gap": _seg(Positions.GAPS, leb128(0) + b"\x80" * 11 + b"\x00", b"\x01" * 2, 2),
+    "over-long varint value": _seg(Positions.GAPS, leb128(0) + leb128(1),
+                                   b"\x01" + b"\xff" * 11 + b"\x01", 2),
+    "raw values short": _seg(Positions.GAPS, leb128(0) + leb128(1), b"\x01\x00\x01", 2,
+                             Op.OVERWRITE, Values.RAW),
+    "bitmap too short": _seg(Positions.BITMAP, b"\x01" * 12, b"\x01", 1),
+    "bitmap too long": _seg(Positions.BITMAP, b"\x01" + b"\x00" * 13, b"\x01", 1),
+    "bitmap count disagrees": _seg(Positions.BITMAP, b"\x03" + b"\x00" * 12, b"\x01", 1),
+    "bitmap trailing values": _seg(Positions.BITMAP, b"\x03" + b"\x00" * 12, b"\x01" * 3, 2),
+    "group keys repeated": _seg(Positions.GROUPS, leb128(2) + leb128(5) + leb128(1) + leb128(5)
+                                + leb128(1) + leb128(0) + leb128(0), b"\x01" * 2, 2),
+    "group key out of range": _seg(Positions.GROUPS, leb128(1) + leb128(256) + leb128(1) + leb128(0),
+                                   b"\x01", 1),
+    "group counts disagree": _seg(Positions.GROUPS, leb128(1) + leb128(5) + leb128(3) + leb128(0) * 3,
+                                  b"\x01" * 2, 2),
+    "group table truncated": _seg(Positions.GROUPS, leb128(3) + leb128(5), b"\x01", 1),
+    "too many groups": _seg(Positions.GROUPS, leb128(300), b"\x01", 1),
+    "group rank gaps trailing": _seg(Positions.GROUPS, leb128(1) + leb128(0) + leb128(1) + leb128(0)
+                                     + b"\x00", b"\x01", 1),
+    "group ranks beyond range": _seg(Positions.GROUPS, leb128(1) + leb128(0) + leb128(1)
+                                     + leb128(10_000), b"\x01", 1),
+    "positions ALL on a delta op": _seg(Positions.ALL, b"", b"\x01", 1),
+    "dense of wrong size": _seg(Positions.ALL, b"", b"\x00" * (2 * N - 1), N, Op.DENSE, Values.RAW),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_segment_is_refused_and_rolled_back(name: str) -> None:
+    original = _base()
+    dst = original.copy()
+    undo = UndoLog()
+    # a good segment first, so the log holds real changes when the bad one fails
+    good_new = original.copy()
+    good_new[[1, 50, 99]] ^= np.uint16(0x8001)
+    apply_segment(ref_segment(original, good_new, DT, Positions.GAPS, Values.VARINT), dst, DT,
+                  undo, "good")
+    assert same_bits(dst, good_new)
+    with pytest.raises(FormatError, match="hostile"):
+        apply_segment(HOSTILE[name], dst, DT, undo, "hostile")
+    undo.rollback()
+    assert same_bits(dst, original)
+
+
+def test_partial_apply_is_rolled_back_exactly() -> None:
+    """A stream that breaks after some elements were written leaves nothing behind after rollback."""
+    original = _base()
+    for bad_tail in (b"\x80", leb128(N)):  # truncated varint, then a position out of range
+        gaps = b"".join(leb128(3) for _ in range(10)) + bad_tail
+        seg = _seg(Positions.GAPS, gaps, b"\x7f" * 11, 11)
+        dst = original.copy()
+        undo = UndoLog()
+        with pytest.raises(FormatError):
+            apply_segment(seg, dst, DT, undo, "partial")
+        undo.rollback()
+        assert same_bits(dst, original)
