@@ -89,6 +89,8 @@ def representations(store: Store, v: int) -> list[Rep]:
         try:
             m = read_manifest(store, key)
         except (ObjectNotFound, FormatError):
+            if leaf == PRIMARY:
+                raise  # the commit record itself is damaged: say so, do not route around it
             continue  # a damaged optional representation just is not a route
         if m.version != v:
             continue

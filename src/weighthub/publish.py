@@ -9,6 +9,7 @@ against the last committed state.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -30,6 +31,8 @@ from .format import ChunkRef, Manifest, TensorEntry, encode_chunk, encode_manife
 from .format.manifest import KIND, MANIFEST_FORMAT
 from .store import Store
 from .tensors import TensorSpec, bits, check_same_model, digest_bits, root_digest, specs_of
+
+log = logging.getLogger(__name__)
 
 DELTA_SPAN_BYTES = 32 << 20  # dense bytes per delta chunk (≈0.1-1 MiB on the wire at RL rates)
 FULL_SPAN_BYTES = 16 << 20  # dense bytes per full chunk (≈12 MiB on the wire)
@@ -149,7 +152,7 @@ class Publisher:
 
         digests = self._digests(specs, new_bits)
         root = root_digest((s, digests[s.name]) for s in specs).hex()
-        manifest = self._write_rep(version, base, specs, new_bits, digests, root, primary=True)
+        manifest = self._write_rep(version, base, specs, new_bits, digests, root)
         try:
             self.store.put(catalog.rep_key(version, manifest.base, primary=True),
                            encode_manifest(manifest), create_only=True)
@@ -161,9 +164,8 @@ class Publisher:
                                "on top of theirs)") from None
         seconds = time.perf_counter() - t0
 
-        prev = self._baseline
         self._advance(version, root, specs, new_bits)
-        self._write_extra(version, prev, specs, new_bits, digests, root)
+        self._write_extra(version, specs, new_bits, digests, root)
         self._collect_garbage(version)
         numel = sum(s.numel for s in specs)
         return PublishResult(version, manifest.base, manifest.dense_bytes, manifest.payload_bytes,
@@ -175,8 +177,7 @@ class Publisher:
                             pool.map(lambda s: digest_bits(new_bits[s.name]), specs), strict=True))
 
     def _write_rep(self, version: int, base: _Baseline | None, specs: list[TensorSpec],
-                   new_bits: dict[str, np.ndarray], digests: dict[str, bytes], root: str,
-                   *, primary: bool) -> Manifest:
+                   new_bits: dict[str, np.ndarray], digests: dict[str, bytes], root: str) -> Manifest:
         """Encode and store every chunk of one representation; return its manifest (unwritten)."""
         span = self.full_span_bytes if base is None else self.delta_span_bytes
         plan = tile(specs, span)
@@ -248,7 +249,7 @@ class Publisher:
                 np.copyto(self._baseline.bits[n], b)
             self._baseline.version, self._baseline.root = version, root
 
-    def _write_extra(self, version: int, prev: _Baseline | None, specs: list[TensorSpec],
+    def _write_extra(self, version: int, specs: list[TensorSpec],
                      new_bits: dict[str, np.ndarray], digests: dict[str, bytes], root: str) -> None:
         """Anchors and skip deltas: optional routes, written after the commit."""
         extra: list[_Baseline | None] = []
@@ -260,14 +261,21 @@ class Publisher:
             extra.append(skip)
         for base in extra:
             try:
-                m = self._write_rep(version, base, specs, new_bits, digests, root, primary=False)
+                m = self._write_rep(version, base, specs, new_bits, digests, root)
                 self.store.put(catalog.rep_key(version, m.base, primary=False),
                                encode_manifest(m), create_only=True)
-            except WeighthubError:
-                pass  # an optional route; the version is committed either way
+            except WeighthubError as exc:
+                # an optional route: the version is committed either way, receivers plan around it
+                log.warning("version %d: could not write the %s representation: %s", version,
+                            catalog.rep_name(None if base is None else base.version), exc)
         if self.skip_every and version % self.skip_every == 0:
-            self._skip_base = _Baseline(version, root, specs,
-                                        {n: b.copy() for n, b in new_bits.items()})
+            if skip is None:
+                self._skip_base = _Baseline(version, root, specs,
+                                            {n: b.copy() for n, b in new_bits.items()})
+            else:
+                for n, b in new_bits.items():
+                    np.copyto(skip.bits[n], b)
+                skip.version, skip.root = version, root
 
     def _collect_garbage(self, version: int) -> None:
         """Delete versions older than the retention window, keeping the newest anchor."""

@@ -159,8 +159,8 @@ class Receiver:
             if isinstance(exc, WeighthubError):
                 raise
             if isinstance(exc, Exception):
-                raise ApplyError(f"applying version {final.version} failed ({exc!r}); the target "
-                                 "was rolled back to its previous version") from exc
+                raise ApplyError(f"applying version {final.version} failed ({type(exc).__name__}: "
+                                 f"{exc}); the target was rolled back to its previous version") from exc
             raise
 
     def _apply_manifest(self, m: Manifest, frames: list[ChunkFrame], views: dict[str, np.ndarray],
