@@ -208,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_inspect)
 
-    s = sub.add_parser("demo", help="simulated RL run: a trainer publishes, receivers pull")
+    s = sub.add_parser("demo", help="fine-tune MiniLM here; refit it bit-exact into receiver processes")
     s.add_argument("--steps", type=int, default=6)
     s.add_argument("--receivers", type=int, default=2)
     s.add_argument("--lr", type=float, default=1e-5)
