@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +30,7 @@ from .errors import (
     ObjectNotFound,
     WeighthubError,
 )
-from .format import ChunkFrame, Manifest, decode_chunk
+from .format import ChunkFrame, ChunkRef, Manifest, decode_chunk
 from .store import Store
 from .targets.base import Held, Target, unique_views
 from .tensors import TensorSpec, check_same_model, digest_bits, root_digest
@@ -62,14 +62,16 @@ class Receiver:
         verify_base: digest the target before applying and refuse if its bits are not the
             version it claims to hold (catches edits behind weighthub's back; costs one pass).
         workers: parallel chunk fetches.
+        apply_workers: threads applying chunks during the pause (one per core is right).
     """
 
     def __init__(self, store: Store, target: Target, *, verify_base: bool = False,
-                 workers: int = 4) -> None:
+                 workers: int = 4, apply_workers: int = 2) -> None:
         self.store = store
         self.target = target
         self.verify_base = verify_base
         self.workers = workers
+        self.apply_workers = apply_workers
         self.lock = threading.Lock()  # held while the target's bits are changing
 
     @property
@@ -168,7 +170,8 @@ class Receiver:
         specs = m.specs()
         alias = unique_views({s.name: views[s.name] for s in specs})
         touched.update(i for i, s in enumerate(specs) if alias[s.name] != s.name)  # verify aliases
-        for frame, ref in zip(frames, m.chunks, strict=True):
+
+        def apply_chunk(frame: ChunkFrame, ref: ChunkRef) -> None:
             for seg in frame.segments:
                 spec = specs[seg.tensor]
                 if alias[spec.name] != spec.name:
@@ -178,6 +181,14 @@ class Receiver:
                 touched.add(seg.tensor)
             if m.base is None:
                 touched.update(ti for ti, _s, _e in ref.covers)
+
+        # Chunks cover disjoint ranges, so they apply in parallel (the kernels release the GIL);
+        # every job finishes before an error propagates, so rollback never races an apply.
+        with ThreadPoolExecutor(self.apply_workers) as pool:
+            jobs = [pool.submit(apply_chunk, f, r) for f, r in zip(frames, m.chunks, strict=True)]
+            wait(jobs)
+        for job in jobs:
+            job.result()
 
     def _verify_touched(self, views: dict[str, np.ndarray], m: Manifest,
                         touched: set[int]) -> None:
