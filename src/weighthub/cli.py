@@ -1,4 +1,4 @@
-"""The `weighthub` command line: publish | pull | verify | inspect | demo.
+"""The `weighthub` command line: publish | pull | verify | inspect | demo | bench.
 
     weighthub publish STORE CKPT      commit a .safetensors file (or a directory of them) as the
                                       next version: full for the first, a delta after that
@@ -7,8 +7,11 @@
     weighthub verify STORE CKPT       exit 0 iff CKPT's bits are exactly a version's
     weighthub inspect STORE           versions, their representations, sizes and change density
     weighthub demo                    an end-to-end run (weighthub.demo)
+    weighthub bench                   payload, entropy bounds, throughput and projected refit
+                                      time on real and synthetic trajectories (weighthub.bench)
 
-STORE is a directory path or a file:// URI. Exit codes: 0 ok, 1 verify mismatch, 2 usage error,
+STORE is a directory path, a file:// URI or s3://BUCKET/PREFIX (credentials and endpoint from
+the standard AWS_* variables, or --endpoint-url). Exit codes: 0 ok, 1 verify mismatch, 2 usage error,
 3 any other failure. Errors the user can act on print one line on stderr, never a traceback.
 """
 
@@ -22,10 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from . import catalog
-from .errors import NoSyncPath, UsageError, WeighthubError
+from .bench import command as bench_command
+from .errors import UsageError, WeighthubError
 from .publish import Publisher
 from .receive import Receiver
 from .store import Store, open_store
+from .store.staging import StagingStore
 from .targets import SafetensorsTarget, load_checkpoint
 from .tensors import bits, digest_bits, specs_of
 
@@ -49,7 +54,7 @@ def _size(n: int) -> str:
 
 def cmd_publish(args: argparse.Namespace) -> int:
     state = load_checkpoint(args.ckpt)  # read before opening the store: a bad CKPT writes nothing
-    store = open_store(args.store)
+    store = _open(args)
     pub = Publisher(store, anchor_every=args.anchor_every, skip_every=args.skip_every,
                     retain=args.retain)
     r = pub.publish(state)
@@ -64,15 +69,13 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    store = _existing_store(args.store)
+    store: Store = _existing_store(args)
+    if args.stage_dir:
+        # receivers on one host share fetched chunks: each is fetched from the store once
+        store = StagingStore(store, args.stage_dir)
     # verify_base: a file edited behind weighthub's back must not get a delta applied on top
     receiver = Receiver(store, SafetensorsTarget(args.out), verify_base=True)
-    try:
-        r = receiver.sync(args.version)
-    except NoSyncPath:
-        # the planner skips unreadable manifests as "no route"; name a corrupt one instead
-        catalog.primary_manifest(store, _version_or_latest(store, args.version))
-        raise
+    r = receiver.sync(args.version)
     doc = {"version": r.version, "from_version": r.from_version, "route": list(r.route),
            "bytes_fetched": r.bytes_fetched, "stage_seconds": r.stage_seconds,
            "apply_seconds": r.apply_seconds, "seconds": r.seconds}
@@ -87,12 +90,18 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _existing_store(url: str) -> Store:
+def _open(args: argparse.Namespace) -> Store:
+    options = {"endpoint_url": args.endpoint_url} if args.endpoint_url else {}
+    return open_store(args.store, **options)
+
+
+def _existing_store(args: argparse.Namespace) -> Store:
     """The store for read-only commands: a mistyped path must not be created as an empty store."""
+    url = args.store
     path = url[len("file://"):] if url.startswith("file://") else url
     if "://" not in path and not Path(path).expanduser().is_dir():
         raise UsageError(f"store {url} does not exist (or is not a directory)")
-    return open_store(url)
+    return _open(args)
 
 
 def _version_or_latest(store: Store, version: int | None) -> int:
@@ -106,7 +115,7 @@ def _version_or_latest(store: Store, version: int | None) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     state = load_checkpoint(args.ckpt)
-    store = _existing_store(args.store)
+    store = _existing_store(args)
     v = _version_or_latest(store, args.version)
     m = catalog.primary_manifest(store, v)
     expected = {t.name: t for t in m.tensors}
@@ -143,7 +152,7 @@ def _version_doc(store: Store, v: int, *, tensors: bool) -> dict[str, Any]:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    store = _existing_store(args.store)
+    store = _existing_store(args)
     if args.version is not None:
         docs = [_version_doc(store, args.version, tensors=True)]
     else:
@@ -177,8 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="weighthub", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("publish", help="commit a checkpoint as the next version")
-    s.add_argument("store", help="store directory or file:// URI")
+    # every command that takes a STORE takes the S3 endpoint too (else AWS_ENDPOINT_URL is used)
+    remote = argparse.ArgumentParser(add_help=False)
+    remote.add_argument("--endpoint-url", default=None, metavar="URL",
+                        help="S3 endpoint for s3:// stores (default: $AWS_ENDPOINT_URL)")
+
+    s = sub.add_parser("publish", parents=[remote], help="commit a checkpoint as the next version")
+    s.add_argument("store", help="store directory, file:// URI or s3://BUCKET/PREFIX")
     s.add_argument("ckpt", help=".safetensors file or a directory of them")
     s.add_argument("--anchor-every", type=int, default=16, metavar="K",
                    help="also write a full representation every K versions (0: never)")
@@ -189,20 +203,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_publish)
 
-    s = sub.add_parser("pull", help="bring a .safetensors file or directory to a version")
+    s = sub.add_parser("pull", parents=[remote], help="bring a .safetensors file or directory to a version")
     s.add_argument("store")
     s.add_argument("out", help="a path ending in .safetensors, or a directory")
     s.add_argument("--version", type=int, help="default: the latest")
+    s.add_argument("--stage-dir", default=None, metavar="DIR",
+                   help="host-wide chunk cache shared by receivers on this host (e.g. /dev/shm/wh)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_pull)
 
-    s = sub.add_parser("verify", help="check a checkpoint's bits against a version (exit 1 if not)")
+    s = sub.add_parser("verify", parents=[remote],
+                       help="check a checkpoint's bits against a version (exit 1 if not)")
     s.add_argument("store")
     s.add_argument("ckpt")
     s.add_argument("--version", type=int, help="default: the latest")
     s.set_defaults(func=cmd_verify)
 
-    s = sub.add_parser("inspect", help="list versions, or one version's tensors")
+    s = sub.add_parser("inspect", parents=[remote], help="list versions, or one version's tensors")
     s.add_argument("store")
     s.add_argument("--version", type=int)
     s.add_argument("--json", action="store_true")
@@ -216,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--json", default=None, metavar="PATH", help="write a JSON summary here")
     s.set_defaults(func=cmd_demo)
+
+    bench_command.add_parser(sub)
     return p
 
 

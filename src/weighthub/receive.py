@@ -20,7 +20,7 @@ import numpy as np
 import xxhash
 
 from . import catalog
-from .codec import Op, UndoLog, apply_segment
+from .codec import Op, Positions, Segment, UndoLog, apply_segment, regap_segment
 from .errors import (
     ApplyError,
     BaseMismatch,
@@ -73,6 +73,7 @@ class Receiver:
         self.workers = workers
         self.apply_workers = apply_workers
         self.lock = threading.Lock()  # held while the target's bits are changing
+        self._sync_lock = threading.Lock()  # one sync at a time: staging reads the held bits
 
     @property
     def version(self) -> int | None:
@@ -81,6 +82,10 @@ class Receiver:
 
     def sync(self, version: int | None = None) -> SyncResult:
         """Bring the target to `version` (default: the latest committed). See module doc."""
+        with self._sync_lock:
+            return self._sync(version)
+
+    def _sync(self, version: int | None) -> SyncResult:
         t0 = time.perf_counter()
         if version is None:
             version = catalog.latest_version(self.store)
@@ -90,7 +95,7 @@ class Receiver:
         if held is not None and held.version == version:
             return SyncResult(version, version, (), 0, 0.0, 0.0, time.perf_counter() - t0)
         route = catalog.plan(self.store, held.version if held else None, version)
-        staged, fetched = self._stage(route)
+        staged, fetched = self._stage(route, held)
         t1 = time.perf_counter()
         with self.lock:
             self._apply(held, staged)
@@ -99,9 +104,15 @@ class Receiver:
                           fetched, t1 - t0, t2 - t1, t2 - t0)
 
     # -- stage ----------------------------------------------------------------------------------
-    def _stage(self, route: list[catalog.Rep]) -> tuple[list[_Staged], int]:
+    def _stage(self, route: list[catalog.Rep], held: Held | None) -> tuple[list[_Staged], int]:
         manifests = [catalog.read_manifest(self.store, r.key) for r in route]
         jobs = [(mi, ci) for mi, m in enumerate(manifests) for ci in range(len(m.chunks))]
+        # The first delta of the route applies to the bits held now: decode its exponent-grouped
+        # positions against them already (slow scan, off the pause). Later deltas in a chain
+        # depend on bits that do not exist yet; they decode during apply.
+        first = manifests[0]
+        base_bits = self.target.peek() if held is not None and first.base_root == held.root else {}
+        first_specs = first.specs()
 
         def fetch(job: tuple[int, int]) -> ChunkFrame:
             m = manifests[job[0]]
@@ -116,6 +127,9 @@ class Receiver:
                                     f"{digest[:12]}…: the chunk is corrupt")
             frame = decode_chunk(blob, where=where)
             _check_segments(frame, ref.covers, m, where)
+            if job[0] == 0 and base_bits:
+                frame = ChunkFrame(tuple(self._regap(seg, first_specs, base_bits, where)
+                                         for seg in frame.segments))
             return frame
 
         try:
@@ -129,6 +143,16 @@ class Receiver:
         for m in manifests:
             staged.append(_Staged(m, [next(it) for _ in m.chunks]))
         return staged, sum(r.payload_bytes for r in route)
+
+    @staticmethod
+    def _regap(seg: Segment, specs: list[TensorSpec], base_bits: dict[str, np.ndarray],
+               where: str) -> Segment:
+        spec = specs[seg.tensor]
+        base = base_bits.get(spec.name)
+        if seg.positions != Positions.GROUPS or base is None or base.dtype != spec.dtype.uint \
+                or base.size != spec.numel:
+            return seg  # nothing to do, or a mismatch the apply step reports properly
+        return regap_segment(seg, base[seg.start: seg.stop], spec.dtype, where)
 
     # -- apply ----------------------------------------------------------------------------------
     def _apply(self, held: Held | None, staged: list[_Staged]) -> None:

@@ -242,7 +242,7 @@ def test_bad_paths(history, tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert code == 3
     assert_one_line_error(err, "/proc/weighthub-test")
 
-    code, _, err = run(capsys, "pull", "s3://bucket/x", tmp_path / "o.safetensors")
+    code, _, err = run(capsys, "pull", "ftp://bucket/x", tmp_path / "o.safetensors")
     assert code == 2
     assert_one_line_error(err, "s3")
 

@@ -10,6 +10,7 @@ from .segment import (
     apply_segment,
     changed_positions,
     encode_segment,
+    regap_segment,
 )
 
 __all__ = [
@@ -22,4 +23,5 @@ __all__ = [
     "apply_segment",
     "changed_positions",
     "encode_segment",
+    "regap_segment",
 ]

@@ -464,3 +464,59 @@ def apply_group_stream(dst, shift, gmask, gkeys, gcounts, gaps, op, codec, vals,
     if vi != vend:
         return TRAILING_BYTES, t
     return t, t
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def decode_group_positions(src, shift, gmask, gkeys, gcounts, gaps, count, out):
+    """Positions of an exponent-grouped segment, read against the base bits `src` (not changed).
+
+    The same scan as apply_group_stream without touching values: receivers run it while
+    staging, before the pause, and re-code the positions as plain gaps so the pause runs the
+    fast gap kernel. Returns the number of positions written (== count) or a negative status.
+    """
+    n = src.shape[0]
+    ng = gkeys.shape[0]
+    size = int(gmask) + 1
+    skip = np.full(size, _NEVER, np.int64)
+    left = np.zeros(size, np.int64)
+    gpos = np.zeros(size, np.int64)
+    gend = gaps.shape[0]
+    i = 0
+    for g in range(ng):
+        k = gkeys[g]
+        gpos[k] = i
+        left[k] = gcounts[g]
+        for _ in range(gcounts[g]):
+            _, i = _read_varint(gaps, i, gend)
+            if i < 0:
+                return i
+    if i != gend:
+        return TRAILING_BYTES
+    for g in range(ng):
+        k = gkeys[g]
+        if left[k] > 0:
+            v, gpos[k] = _read_varint(gaps, gpos[k], gend)
+            if v >= np.uint64(n):
+                return POSITION_OUT_OF_RANGE
+            skip[k] = np.int64(v)
+    sh = np.uint64(shift)
+    t = 0
+    for p in range(n):
+        e = (np.uint64(src[p]) >> sh) & gmask
+        s = skip[e]
+        if s != 0:
+            skip[e] = s - 1
+            continue
+        if t >= count:
+            return POSITION_OUT_OF_RANGE
+        out[t] = p
+        t += 1
+        left[e] -= 1
+        if left[e] > 0:
+            v, gpos[e] = _read_varint(gaps, gpos[e], gend)
+            skip[e] = np.int64(v) if v < np.uint64(n) else _NEVER
+        else:
+            skip[e] = _NEVER
+    if t != count:
+        return POSITION_OUT_OF_RANGE
+    return t

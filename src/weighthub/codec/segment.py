@@ -13,7 +13,7 @@ undo log so a transaction can roll back exactly.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
 
 import numpy as np
@@ -362,6 +362,28 @@ def _group_table(seg: Segment, dtype: DType, where: str) -> tuple[np.ndarray, np
     if int(counts.sum()) != seg.count:
         raise FormatError(f"{where}: group counts sum to {int(counts.sum())}, header says {seg.count}")
     return keys, counts, i
+
+
+def regap_segment(seg: Segment, base: np.ndarray, dtype: DType, where: str) -> Segment:
+    """The same segment with exponent-grouped positions re-coded as plain gaps.
+
+    Grouped positions are smaller on the wire but decode at ~1 GB/s because every element's
+    old exponent must be read; plain gaps apply at several GB/s. A receiver calls this while
+    staging, with `base` = the bits it holds now (read only), so the pause runs the fast kernel.
+    The result applies only to exactly those base bits (a different base fails its digests).
+    """
+    if seg.positions != Positions.GROUPS:
+        return seg
+    if base.size != seg.numel or base.dtype != dtype.uint:
+        raise ValueError(f"{where}: base {base.dtype}[{base.size}] for {seg.numel} elements")
+    if not 0 <= seg.count <= seg.numel:
+        raise FormatError(f"{where}: {seg.count} changes in a range of {seg.numel} elements")
+    keys, counts, offset = _group_table(seg, dtype, where)
+    pos = np.empty(seg.count, np.int64)
+    status = K.decode_group_positions(base, dtype.exponent_shift, np.uint64(dtype.exponent_mask),
+                                      keys, counts, seg.pos_bytes[offset:], seg.count, pos)
+    _check(status, where)
+    return replace(seg, positions=Positions.GAPS, pos_bytes=_encode_gaps(pos))
 
 
 def apply_segment(seg: Segment, dst: np.ndarray, dtype: DType, undo: UndoLog, where: str) -> None:

@@ -9,7 +9,7 @@ to discover versions. Every method raises only StoreError subclasses.
 from __future__ import annotations
 
 import re
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from ..errors import UsageError
 
@@ -57,11 +57,24 @@ class Store(Protocol):
         ...
 
 
-def open_store(url: str) -> Store:
-    """A store from a URL: a directory path, file://PATH, or memory://NAME (tests)."""
+def open_store(url: str, **options: Any) -> Store:
+    """A store from a URL: a directory path, file://PATH, s3://BUCKET/PREFIX, or memory://NAME.
+
+    options go to the backend's constructor (for s3://: endpoint_url, timeouts, … see S3Store).
+    s3:// imports boto3 only when used, so the core does not depend on it.
+    """
     from .local import LocalStore
     from .memory import MemoryStore
 
+    if url.startswith("s3://"):
+        try:
+            from .s3 import S3Store
+        except ImportError as exc:
+            raise UsageError(f"store {url!r} needs the S3 client ({exc.name} is not installed): "
+                             "pip install 'weighthub[s3]'") from exc
+        return S3Store.from_url(url, **options)
+    if options:
+        raise UsageError(f"store {url!r}: options {sorted(options)} apply only to s3:// stores")
     if url.startswith("memory://"):
         return MemoryStore.named(url[len("memory://"):])
     if url.startswith("file://"):
@@ -69,5 +82,5 @@ def open_store(url: str) -> Store:
     if "://" in url:
         scheme = url.split("://", 1)[0]
         raise UsageError(f"store {url!r}: scheme {scheme!r} is not supported; use a directory "
-                         "path, file://PATH or memory://NAME")
+                         "path, file://PATH, s3://BUCKET/PREFIX or memory://NAME")
     return LocalStore(url)

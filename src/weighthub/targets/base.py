@@ -3,6 +3,7 @@
 Lifecycle (the receiver drives it, one transaction at a time):
     held()            the committed version the target holds, or None
     specs()           its tensor table, or None if it holds nothing yet
+    peek()            read-only bit views of what it holds now (while staging, before the pause)
     open(specs)       writable bit views by canonical name; materializes an empty target
                       (allocated, not yet visible under its final name/place)
     ... the receiver applies, verifies digests ...
@@ -34,6 +35,8 @@ class Target(Protocol):
     def held(self) -> Held | None: ...
 
     def specs(self) -> list[TensorSpec] | None: ...
+
+    def peek(self) -> dict[str, np.ndarray]: ...
 
     def open(self, specs: list[TensorSpec]) -> dict[str, np.ndarray]: ...
 

@@ -36,6 +36,9 @@ class ModuleTarget:
     def specs(self) -> list[TensorSpec] | None:
         return specs_of(self._tensors())
 
+    def peek(self) -> dict[str, np.ndarray]:
+        return {name: bits(t) for name, t in self._tensors().items()}
+
     def open(self, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
         return {name: bits(t) for name, t in self._tensors().items()}
 

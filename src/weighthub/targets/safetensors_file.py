@@ -245,14 +245,20 @@ class SafetensorsTarget:
         return all(p.name == SIDECAR_DIR_NAME or (p.suffix == ".safetensors" and p.is_file())
                    for p in self.path.iterdir())
 
-    def _map(self, files: list[Path]) -> dict[str, np.ndarray]:
+    def peek(self) -> dict[str, np.ndarray]:
+        if self.held() is None:
+            return {}
+        return self._map(_files_of(self.path), writable=False)
+
+    def _map(self, files: list[Path], *, writable: bool = True) -> dict[str, np.ndarray]:
         views: dict[str, np.ndarray] = {}
         for f in files:
             entries = read_header(f)
             if not entries:
                 continue
-            m = np.memmap(f, dtype=np.uint8, mode="r+")
-            self._maps.append(m)
+            m = np.memmap(f, dtype=np.uint8, mode="r+" if writable else "r")
+            if writable:
+                self._maps.append(m)  # flushed at commit/abort
             for e in entries:
                 raw = m[e.offset: e.offset + e.spec.nbytes]
                 if e.spec.nbytes and e.offset % e.spec.dtype.width:

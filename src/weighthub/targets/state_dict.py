@@ -27,6 +27,9 @@ class StateDictTarget:
     def specs(self) -> list[TensorSpec] | None:
         return specs_of(self.state) if self.state else None
 
+    def peek(self) -> dict[str, np.ndarray]:
+        return {name: bits(t) for name, t in self.state.items()}
+
     def open(self, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
         if not self.state:
             for s in specs:

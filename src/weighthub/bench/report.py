@@ -1,0 +1,186 @@
+"""The benchmark's Markdown report, written from the JSON document alone.
+
+JSON document (keys other tools read are marked *):
+  runs*: list of runs, each
+    trajectory*  name; kind: real | synthetic; meta: the trajectory's metadata
+    change_rate* changed words / words, over all steps
+    codecs*      name → {payload_bytes*, dense_bytes*, ratio, bits_per_changed_word}, summed over
+                 steps, for weighthub, weighthub_fast, dense, dense_zstd, sparserl, sparserl_zstd,
+                 nemo, bound_order0, bound_ctx; weighthub and weighthub_fast also carry
+                 encode_gbps*, apply_gbps* (1 thread, GB/s of dense parameter bytes) and _2t twins
+    throughput   figure → threads → {best, median, worst} GB/s (median over timed steps)
+    e2e_seconds  publish → pull through a LocalStore: {median, max} over steps
+    composition  [{k, composed_bytes, singles_bytes, ratio, …}]
+    steps        the same per step (codecs, change_rate, seconds, throughput where timed)
+  projection: {assumptions: [lines], runs: {trajectory: [per model and link]}}
+  targets: rows from bench.targets.evaluate
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from . import bounds, projection
+
+CODEC_ORDER = ("weighthub", "weighthub_fast", "nemo", "sparserl_zstd", "sparserl", "dense_zstd",
+               "dense", "bound_order0", "bound_ctx")
+CODEC_NOTES = {
+    "weighthub": "chunk frames as written by Publisher (headers included), exponent groups on",
+    "weighthub_fast": "same, exponent-grouped positions off (faster decode)",
+    "nemo": "uint16 gaps (escape) + XOR values, zstd-1",
+    "sparserl_zstd": "int32 index + raw value, zstd-1",
+    "sparserl": "int32 index + raw value",
+    "dense_zstd": "every word, zstd-1",
+    "dense": "every word",
+    "bound_order0": "order-0 entropy: gaps + min(XOR, difference)",
+    "bound_ctx": "positions per tensor and old exponent + difference | exponent",
+}
+
+
+def _pct(x: float) -> str:
+    return f"{x:.3%}"
+
+
+def _secs(s: float) -> str:
+    if s >= 3600:
+        return f"{s / 3600:.1f} h"
+    if s >= 60:
+        return f"{s / 60:.1f} min"
+    return f"{s:.2f} s" if s >= 0.1 else f"{s * 1000:.1f} ms"
+
+
+def _gbps(d: dict[str, float] | None) -> str:
+    if not d:
+        return "–"
+    return f"{d['best']:.2f} ({d['worst']:.2f}–{d['best']:.2f})"
+
+
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+            *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def render(doc: dict[str, Any], plots: list[str]) -> str:
+    """The whole report as Markdown; `plots` are file names next to it."""
+    runs = doc["runs"]
+    out = ["# weighthub bench", "",
+           f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(doc['created']))}; "
+           f"{doc['machine']['cpus']} CPUs, {doc['machine']['platform']}; "
+           f"{len(runs)} runs in {_secs(doc['seconds'])}. All payloads are summed over every step "
+           "of a run; ratios are to dense bf16 bytes.", ""]
+    out += _targets(doc["targets"]) + _payloads(runs) + _throughput(runs) + _e2e(runs)
+    out += _projection(doc) + _formulas()
+    if plots:
+        out += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    return "\n".join(out) + "\n"
+
+
+def _targets(rows: list[dict[str, Any]]) -> list[str]:
+    out = ["## Targets", "",
+           "Checked on every run (the targets are stated for real trajectories; synthetic runs are "
+           "marked). Shortfall = how far the measured figure is from the threshold, relative to it.",
+           ""]
+    body = [[r["target"], f"{r['trajectory']}{'' if r.get('step') is None else ' step ' + str(r['step'])}"
+             f" ({r['kind']}, {_pct(r['change_rate'])})", r["codec"],
+             f"{r['measured']:.3f}", f"{r['threshold']}", "yes" if r["met"] else "**no**",
+             "–" if r["met"] else f"{r['shortfall']:.0%}"] for r in rows]
+    return [*out, *_table(["target", "run", "codec", "measured", "threshold", "met", "shortfall"],
+                          body), ""]
+
+
+def _payloads(runs: list[dict[str, Any]]) -> list[str]:
+    out = ["## Payload", "", "Ratio to dense bf16 bytes (bits per changed word in brackets).", ""]
+    head = ["run", "changed", *CODEC_ORDER]
+    body = []
+    for r in runs:
+        cells = [f"{r['codecs'][c]['ratio']:.4f} ({r['codecs'][c]['bits_per_changed_word']:.2f})"
+                 for c in CODEC_ORDER]
+        body.append([f"{r['trajectory']} ({r['kind']}, {r['steps_count']} steps)",
+                     _pct(r["change_rate"]), *cells])
+    out += _table(head, body)
+    notes = "; ".join(f"`{k}` {v}" for k, v in CODEC_NOTES.items())
+    out = [*out, "", f"Codecs: {notes}.", ""]
+    comp = [[r["trajectory"], str(c["k"]), f"{c['from_step']}→{c['to_step']}",
+             _pct(c["composed_change_rate"]), str(c["composed_bytes"]), str(c["singles_bytes"]),
+             f"{c['ratio']:.2f}"] for r in runs for c in r["composition"]]
+    if comp:
+        out += ["### Catch-up: one composed k-step delta vs k single deltas", ""]
+        out += _table(["run", "k", "steps", "changed", "composed bytes", "k singles bytes",
+                       "composed / singles"], comp)
+        out.append("")
+    return out
+
+
+def _throughput(runs: list[dict[str, Any]]) -> list[str]:
+    out = ["## Throughput", "",
+           "GB/s of dense parameter bytes: best of the repeats (worst–best in brackets), the median "
+           "over timed steps. Ceilings on the same buffers: memcpy and XOR; scan = change detection "
+           "alone. The machine is shared: the spread is part of the result.", ""]
+    head = ["run", "threads", "encode", "encode fast", "apply", "apply fast", "scan", "xor", "memcpy"]
+    body = []
+    for r in runs:
+        tp = r["throughput"]
+        if not tp:
+            continue
+        for t in ("1t", "2t"):
+            if t not in tp.get("memcpy", {}):
+                continue
+            body.append([r["trajectory"], t[0], _gbps(tp["weighthub"].get(f"encode_{t}")),
+                         _gbps(tp["weighthub_fast"].get(f"encode_{t}")),
+                         _gbps(tp["weighthub"].get(f"apply_{t}")),
+                         _gbps(tp["weighthub_fast"].get(f"apply_{t}")),
+                         _gbps(tp["scan"].get(t)), _gbps(tp["xor"].get(t)),
+                         _gbps(tp["memcpy"].get(t))])
+    out += _table(head, body)
+    shares = [(r["trajectory"], r["throughput"]["weighthub"]["encode_1t"]["best"]
+               / r["throughput"]["scan"]["1t"]["best"]) for r in runs if r["throughput"]]
+    if shares:
+        out += ["", "Share of single-thread encode time spent finding the changes (encode GB/s ÷ "
+                "scan GB/s): " + ", ".join(f"{n} {s:.0%}" for n, s in shares) + ". The rest is "
+                "building position and value streams and choosing codings; with groups on, also "
+                "the exponent pass over every old word.", ""]
+    return out
+
+
+def _e2e(runs: list[dict[str, Any]]) -> list[str]:
+    body = [[r["trajectory"], _secs(r["e2e_seconds"]["median"]), _secs(r["e2e_seconds"]["max"]),
+             f"{r['params'] * 2 / 1e6:.1f} MB"] for r in runs if r["e2e_seconds"]]
+    if not body:
+        return []
+    return ["## Publish → pull", "",
+            "Publisher + Receiver(StateDictTarget) through a LocalStore in a temporary directory "
+            "(fsync per object), per step: encode, write, commit, plan, fetch, verify checksums, "
+            "apply, verify digests.", "",
+            *_table(["run", "median", "max", "dense size"], body), ""]
+
+
+def _projection(doc: dict[str, Any]) -> list[str]:
+    proj = doc["projection"]["runs"]
+    out = ["## Projection", "", "Assumptions:", "",
+           *(f"- {line}" for line in doc["projection"]["assumptions"]), ""]
+    if not proj:
+        return out
+    real = [r for r in doc["runs"] if r["kind"] == "real" and r["trajectory"] in proj]
+    pick = real or [r for r in doc["runs"] if r["trajectory"] in proj]
+    for r in pick:
+        rows = proj[r["trajectory"]]
+        out += [f"### {r['trajectory']} ({_pct(r['change_rate'])} changed, payload "
+                f"{r['codecs']['weighthub']['ratio']:.4f}× dense)", ""]
+        links = sorted({p["link_gbit"] for p in rows})
+        body = []
+        for model in projection.MODEL_SIZES:
+            cells = []
+            for link in links:
+                p = next(p for p in rows if p["model"] == model and p["link_gbit"] == link)
+                cells.append(f"{_secs(p['refit_s'])} vs {_secs(p['full_s'])} ({p['speedup']:.1f}×)")
+            body.append([model, *cells])
+        out += _table(["model", *(f"{link:g} Gbit/s: refit vs full" for link in links)], body)
+        out += [""]
+    return out
+
+
+def _formulas() -> list[str]:
+    doc = bounds.__doc__ or ""
+    body = doc.split("\n\n", 1)[1] if "\n\n" in doc else doc
+    return ["## Bounds", "", "```", body.strip(), "```", ""]

@@ -1,0 +1,242 @@
+"""Run the benchmark over trajectories: every codec, baseline and bound on the same steps.
+
+A run is one trajectory (a sequence of model states). For each step i-1 → i it records the
+changed fraction; the payload of weighthub (what really goes on the wire: the chunk frames a
+`Publisher` with anchors off writes, headers included), of weighthub with exponent-grouped
+positions off (`weighthub_fast`), of every baseline (bench.baselines) and the entropy bounds
+(bench.bounds); publish → pull seconds through a LocalStore; and, on a few evenly spaced
+steps, encode and decode+apply throughput next to the memcpy/XOR ceilings (bench.throughput).
+After the steps, composition: the direct delta over the last k steps against their k single
+deltas. The JSON document this builds is described in bench.report.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from ..codec import EncodePolicy
+from ..publish import Publisher
+from ..receive import Receiver
+from ..store import LocalStore, MemoryStore
+from ..targets import StateDictTarget
+from ..tensors import bits, dtype_of
+from . import baselines, bounds, projection, targets, throughput
+
+Progress = Callable[[str], None]
+
+POLICIES = {"weighthub": EncodePolicy(), "weighthub_fast": EncodePolicy(groups=False)}
+CODECS = ("weighthub", "weighthub_fast", *baselines.BASELINES, "bound_order0", "bound_ctx")
+
+
+class TrajectoryLike(Protocol):
+    """What the runner needs of a trajectory (bench.trajectories.Trajectory has it)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def meta(self) -> Mapping[str, Any]: ...
+
+    def __len__(self) -> int: ...
+
+    def state(self, i: int) -> Mapping[str, torch.Tensor]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """What to measure. timed_steps: steps per run with throughput timed (evenly spaced)."""
+
+    reps: int = 3
+    timed_steps: int = 2
+    compose: tuple[int, ...] = (2, 4, 8)
+    e2e: bool = True
+    threads: tuple[int, ...] = (1, 2)
+    assumptions: projection.Assumptions = field(default_factory=projection.Assumptions)
+
+
+def _quiet(_msg: str) -> None:
+    pass
+
+
+def _bits_of(state: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    return {n: bits(t.detach().cpu().contiguous()) for n, t in state.items()}
+
+
+def _timed_indices(steps: int, wanted: int) -> set[int]:
+    """`wanted` step indices in 1..steps, evenly spaced, always including the last."""
+    if wanted <= 0 or steps <= 0:
+        return set()
+    if wanted >= steps:
+        return set(range(1, steps + 1))
+    return {steps - round(j * (steps - 1) / max(1, wanted - 1)) for j in range(wanted)}
+
+
+def _codec_entry(payload: float, dense: int, changed: int) -> dict[str, Any]:
+    return {"payload_bytes": payload, "dense_bytes": dense,
+            "ratio": payload / dense if dense else 0.0,
+            "bits_per_changed_word": 8 * payload / changed if changed else 0.0}
+
+
+def bench_run(traj: TrajectoryLike, kind: str, cfg: BenchConfig,
+              progress: Progress = _quiet) -> dict[str, Any]:
+    """Measure one trajectory. Returns its run document (see bench.report for the schema)."""
+    n = len(traj)
+    if n < 2:
+        raise ValueError(f"trajectory {traj.name} has {n} state(s); a delta needs at least 2")
+    timed = _timed_indices(n - 1, cfg.timed_steps)
+    steps: list[dict[str, Any]] = []
+    t_run = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="weighthub-bench-") as tmp:
+        store = LocalStore(tmp)
+        pub = Publisher(store, anchor_every=0)
+        fast = Publisher(MemoryStore(), anchor_every=0, policy=POLICIES["weighthub_fast"])
+        rx = Receiver(store, StateDictTarget({}))
+        prev_state = traj.state(0)
+        pub.publish(prev_state)
+        fast.publish(prev_state)
+        if cfg.e2e:
+            rx.sync()
+        prev = _bits_of(prev_state)
+        for i in range(1, n):
+            t0 = time.perf_counter()
+            state = traj.state(i)
+            cur = _bits_of(state)
+            steps.append(_step(i, state, prev, cur, pub, fast, rx, cfg, i in timed))
+            s = steps[-1]
+            progress(f"{traj.name}: step {i}/{n - 1}: {s['change_rate']:.3%} changed, weighthub "
+                     f"{s['codecs']['weighthub']['ratio']:.4f}× dense, nemo "
+                     f"{s['codecs']['nemo']['ratio']:.4f}×, bound_ctx "
+                     f"{s['codecs']['bound_ctx']['ratio']:.4f}× "
+                     f"({time.perf_counter() - t0:.1f}s)")
+            prev = cur
+    run = _summarize(traj, kind, steps)
+    run["composition"] = _composition(traj, steps, cfg.compose, progress)
+    run["seconds"] = time.perf_counter() - t_run
+    return run
+
+
+def _step(i: int, state: Mapping[str, torch.Tensor], prev: dict[str, np.ndarray],
+          cur: dict[str, np.ndarray], pub: Publisher, fast: Publisher, rx: Receiver,
+          cfg: BenchConfig, timed: bool) -> dict[str, Any]:
+    r = pub.publish(state)
+    pull_s = rx.sync().seconds if cfg.e2e else None
+    rf = fast.publish(state)
+    dense, changed = r.dense_bytes, r.changed
+    codecs = {"weighthub": _codec_entry(r.payload_bytes, dense, changed),
+              "weighthub_fast": _codec_entry(rf.payload_bytes, dense, changed)}
+    for name, size in baselines.baseline_bytes(prev, cur).items():
+        codecs[name] = _codec_entry(size, dense, changed)
+    b = bounds.EMPTY
+    for name in sorted(cur):
+        b = b + bounds.delta_bounds(prev[name], cur[name], dtype_of(state[name]))
+    codecs["bound_order0"] = {**_codec_entry(b.order0_bytes, dense, changed), "parts": b.to_dict()}
+    codecs["bound_ctx"] = {**_codec_entry(b.context_bytes, dense, changed), "parts": b.to_dict()}
+    doc: dict[str, Any] = {"step": i, "changed": changed, "numel": r.numel,
+                           "change_rate": r.changed_fraction, "codecs": codecs,
+                           "publish_seconds": r.seconds, "pull_seconds": pull_s,
+                           "e2e_seconds": None if pull_s is None else r.seconds + pull_s}
+    if timed:
+        pairs = [throughput.Pair(prev[name], cur[name], dtype_of(state[name])) for name in sorted(cur)]
+        doc["throughput"] = throughput.measure(pairs, POLICIES, reps=cfg.reps, threads=cfg.threads)
+    return doc
+
+
+def _summarize(traj: TrajectoryLike, kind: str, steps: list[dict[str, Any]]) -> dict[str, Any]:
+    changed = sum(s["changed"] for s in steps)
+    numel = sum(s["numel"] for s in steps)
+    codecs: dict[str, dict[str, Any]] = {}
+    for name in CODECS:
+        payload = sum(s["codecs"][name]["payload_bytes"] for s in steps)
+        dense = sum(s["codecs"][name]["dense_bytes"] for s in steps)
+        codecs[name] = _codec_entry(payload, dense, changed)
+    timed = [s["throughput"] for s in steps if "throughput" in s]
+    tp: dict[str, Any] = {}
+    if timed:
+        # per figure: the median over timed steps of each step's best-of-reps (and its spread)
+        for what, per in timed[0].items():
+            tp[what] = {k: {stat: statistics.median(t[what][k][stat] for t in timed)
+                            for stat in ("best", "median", "worst")} for k in per}
+        for name in POLICIES:
+            c = codecs[name]
+            for k, spread in tp[name].items():  # encode_1t, apply_2t, …
+                op, threads_ = k.split("_")
+                c[f"{op}_gbps" if threads_ == "1t" else f"{op}_gbps_{threads_}"] = spread["best"]
+    e2e = [s["e2e_seconds"] for s in steps if s["e2e_seconds"] is not None]
+    return {
+        "trajectory": traj.name, "kind": kind, "meta": _jsonable(dict(traj.meta)),
+        "steps_count": len(steps), "params": steps[0]["numel"],
+        "change_rate": changed / numel if numel else 0.0,
+        "codecs": codecs, "throughput": tp,
+        "e2e_seconds": {"median": statistics.median(e2e), "max": max(e2e)} if e2e else None,
+        "steps": steps,
+    }
+
+
+def _composition(traj: TrajectoryLike, steps: list[dict[str, Any]], ks: tuple[int, ...],
+                 progress: Progress) -> list[dict[str, Any]]:
+    """Direct delta over the last k steps vs the k single deltas, for each k the run allows."""
+    out = []
+    last = len(traj) - 1
+    for k in ks:
+        if k > len(steps):
+            continue
+        first = last - k
+        pub = Publisher(MemoryStore(), anchor_every=0)
+        pub.publish(traj.state(first))
+        r = pub.publish(traj.state(last))
+        singles = sum(s["codecs"]["weighthub"]["payload_bytes"] for s in steps[first:last])
+        out.append({"k": k, "from_step": first, "to_step": last,
+                    "composed_bytes": r.payload_bytes, "singles_bytes": singles,
+                    "ratio": r.payload_bytes / singles if singles else 0.0,
+                    "composed_change_rate": r.changed_fraction})
+        progress(f"{traj.name}: {k} steps composed: {r.payload_bytes} bytes = "
+                 f"{out[-1]['ratio']:.2f}× the {k} single deltas")
+    return out
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, Mapping):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    return str(x)
+
+
+def run_bench(trajectories: list[tuple[TrajectoryLike, str]], cfg: BenchConfig = BenchConfig(),
+              progress: Progress = _quiet) -> dict[str, Any]:
+    """Measure every (trajectory, kind) and assemble the JSON document."""
+    t0 = time.perf_counter()
+    runs = []
+    for j, (traj, kind) in enumerate(trajectories, 1):
+        progress(f"run {j}/{len(trajectories)}: {traj.name} ({kind}, {len(traj)} states)")
+        runs.append(bench_run(traj, kind, cfg, progress))
+    doc: dict[str, Any] = {
+        "format": "weighthub-bench/1",
+        "created": time.time(),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "python": platform.python_version(), "torch": torch.__version__},
+        "config": {**asdict(cfg), "policies": {n: asdict(p) for n, p in POLICIES.items()}},
+        "runs": runs,
+    }
+    doc["projection"] = {
+        "assumptions": cfg.assumptions.lines(),
+        "runs": {r["trajectory"]: [p.to_dict() for p in projection.project(
+            r["codecs"]["weighthub"]["ratio"], r["codecs"]["weighthub"]["encode_gbps"],
+            r["codecs"]["weighthub"]["apply_gbps"], assumptions=cfg.assumptions)]
+            for r in runs if "encode_gbps" in r["codecs"]["weighthub"]},
+    }
+    doc["targets"] = targets.evaluate(runs)
+    doc["seconds"] = time.perf_counter() - t0
+    return doc

@@ -1,0 +1,56 @@
+"""The issue's targets, checked against measured runs (reported, never asserted).
+
+    payload vs nemo       weighthub payload ≤ 0.65 × nemo payload              (every run)
+    payload vs bound_ctx  weighthub payload ≤ 1.1 × context entropy bound      (every run)
+    encode speed          encode ≥ 2 GB/s per core        (timed steps at 0.75–3.5% changed)
+    apply speed           decode+apply ≥ 5 GB/s per core  (timed steps at 0.5–1.5% changed)
+
+The targets are stated for real trajectories; synthetic runs are checked too and marked.
+The speed targets are checked for both `weighthub` and `weighthub_fast` (groups off), since
+exponent-grouped positions trade decode speed for size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SIZE_TARGETS = (("payload ≤ 0.65× nemo", "nemo", 0.65), ("payload ≤ 1.1× bound_ctx", "bound_ctx", 1.1))
+SPEED_TARGETS = (("encode ≥ 2 GB/s/core at 1–3%", "encode_gbps", 2.0, 0.0075, 0.035),
+                 ("decode+apply ≥ 5 GB/s/core at 1%", "apply_gbps", 5.0, 0.005, 0.015))
+
+
+def evaluate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (target, run, codec) it applies to: measured, threshold, met, shortfall."""
+    rows: list[dict[str, Any]] = []
+    for run in runs:
+        codecs = run["codecs"]
+        wh = codecs["weighthub"]
+        for label, ref, limit in SIZE_TARGETS:
+            if not codecs[ref]["payload_bytes"]:
+                continue
+            measured = wh["payload_bytes"] / codecs[ref]["payload_bytes"]
+            rows.append(_row(label, run, "weighthub", measured, limit, lower_is_better=True))
+        for label, key, limit, lo, hi in SPEED_TARGETS:
+            # per timed step: change rates drift along a trajectory (early steps change more)
+            for step in run.get("steps", []):
+                tp = step.get("throughput")
+                if tp is None or not lo <= step["change_rate"] <= hi:
+                    continue
+                for name in ("weighthub", "weighthub_fast"):
+                    figure = tp.get(name, {}).get(f"{key.split('_')[0]}_1t")
+                    if figure is not None:
+                        rows.append(_row(label, run, name, figure["best"], limit,
+                                         lower_is_better=False, step=step))
+    return rows
+
+
+def _row(label: str, run: dict[str, Any], codec: str, measured: float, limit: float, *,
+         lower_is_better: bool, step: dict[str, Any] | None = None) -> dict[str, Any]:
+    met = measured <= limit if lower_is_better else measured >= limit
+    # how far off, as a factor of the threshold (0 when met)
+    shortfall = 0.0 if met else (measured / limit - 1 if lower_is_better else 1 - measured / limit)
+    return {"target": label, "trajectory": run["trajectory"], "kind": run["kind"],
+            "step": None if step is None else step["step"],
+            "change_rate": run["change_rate"] if step is None else step["change_rate"],
+            "codec": codec, "measured": measured,
+            "threshold": limit, "met": met, "shortfall": shortfall}
