@@ -232,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--store", default=None, help="default: a fresh temporary directory")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--json", default=None, metavar="PATH", help="write a JSON summary here")
+    s.add_argument("--optimizer", choices=["adamw", "logra"], default="adamw",
+                   help="logra: low-rank gradient sketches for 2-D weights (weighthub.train)")
+    s.add_argument("--logra-rank", type=int, default=16)
     s.set_defaults(func=cmd_demo)
 
     bench_command.add_parser(sub)

@@ -123,7 +123,8 @@ def _run_logra(out: Path, quick: bool, progress: runner.Progress) -> Any:
     except ImportError as exc:
         raise UsageError(f"--logra: weighthub.bench.logra is not available ({exc})") from exc
     progress("running the LoGRA comparison (bench.logra)")
-    return run_logra_bench(steps=2 if quick else 8)
+    # SmolLM2 takes 1-3 min per step per optimizer on 2 cores: keep --quick to 2 small steps
+    return run_logra_bench(steps=2, rank=8, rss=False) if quick else run_logra_bench(steps=8, rank=16)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

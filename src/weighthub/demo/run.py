@@ -74,6 +74,8 @@ class DemoConfig:
     store: str | None = None  # None: a fresh temporary directory, removed at the end
     seed: int = 0
     json: str | None = None  # a path to write the JSON summary to
+    optimizer: str = "adamw"  # or "logra": low-rank gradient sketches (weighthub.train)
+    logra_rank: int = 16
 
     @classmethod
     def of(cls, args: Any) -> DemoConfig:
@@ -113,7 +115,7 @@ def main(args: Any) -> int:
 
 
 def _run(cfg: DemoConfig, store_path: Path) -> tuple[list[StepRecord], list[int]]:
-    print(f"weighthub demo: fine-tuning {MODEL_NAME} (InfoNCE on generated sentence pairs, AdamW "
+    print(f"weighthub demo: fine-tuning {MODEL_NAME} (InfoNCE on generated sentence pairs, {cfg.optimizer} "
           f"lr={cfg.lr:g}, seed {cfg.seed}) for {cfg.steps} steps")
     publisher = Publisher(LocalStore(store_path))
     print(f"  store     {store_path}{' (temporary)' if cfg.store is None else ''}")
@@ -124,7 +126,8 @@ def _run(cfg: DemoConfig, store_path: Path) -> tuple[list[StepRecord], list[int]
         print(f"  receivers {cfg.receivers} processes (python -m weighthub.demo.worker), each "
               f"with its own copy of the weights; pids {pool.pids}")
         t0 = time.perf_counter()
-        trainer = MiniLMTrainer(lr=cfg.lr, seed=cfg.seed)
+        trainer = MiniLMTrainer(lr=cfg.lr, seed=cfg.seed, optimizer=cfg.optimizer,
+                                logra_rank=cfg.logra_rank)
         params = trainer.num_parameters
         print(f"  model     {trainer.model_path}\n"
               f"            {params / 1e6:.1f}M parameters, refitted as bf16 "

@@ -113,7 +113,8 @@ class MiniLMTrainer:
     """
 
     def __init__(self, *, lr: float = 1e-5, seed: int = 0, batch_size: int = 16,
-                 temperature: float = 0.05, model_path: str | None = None) -> None:
+                 temperature: float = 0.05, model_path: str | None = None,
+                 optimizer: str = "adamw", logra_rank: int = 16) -> None:
         if lr <= 0 or batch_size < 2 or temperature <= 0:
             raise UsageError(f"need lr > 0, batch_size >= 2, temperature > 0; got lr={lr}, "
                              f"batch_size={batch_size}, temperature={temperature}")
@@ -123,7 +124,17 @@ class MiniLMTrainer:
         self.pairs = PairGenerator(seed)
         self.batch_size = batch_size
         self.temperature = temperature
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.optimizer: torch.optim.Optimizer
+        if optimizer == "logra":
+            # low-rank gradient sketches for the 2-D weights, AdamW for the rest (weighthub.train)
+            from ..train import LoGRA, split_params
+
+            sketched, dense = split_params(self.model)
+            self.optimizer = LoGRA(sketched, dense, rank=logra_rank, lr=lr)
+        elif optimizer == "adamw":
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        else:
+            raise UsageError(f"optimizer must be 'adamw' or 'logra', got {optimizer!r}")
         self.steps = 0
 
     @property

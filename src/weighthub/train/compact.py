@@ -1,0 +1,194 @@
+"""Compact sync: ship a LoGRA step as (U, seed, epoch, coef) per weight instead of a bf16 delta.
+
+A receiver that keeps fp32 master copies replays the step with the very function the trainer
+used (`projection.apply_low_rank`, fixed-order elementwise fp32 ops), so its masters stay
+bit-identical to the trainer's; per-tensor xxh3-128 digests (before and after) bind the payload
+to its base and prove the result. Receivers without fp32 masters use the normal bf16 delta refit.
+
+Frame (little-endian), parsed and validated before any allocation:
+
+    b"WHLOGRA1" | u32 header_len | header (UTF-8 JSON) | body | xxh3-128 of everything before
+
+header = {"step": int, "entries": [{"name", "kind": "sketch"|"dense", "shape": [..], "dtype":
+"bfloat16"|"float32", "offset", "nbytes", "base": hex, "digest": hex, and for sketches "seed",
+"epoch", "rank", "coef", "decay"}]}. Entries' bytes are consecutive in the body, in order.
+Size: Σ m·r·width(U) over sketched weights + 4·numel over dense ones + a small header; compare
+with the bf16 delta (`bench.logra`): it wins only where the bf16 change rate is high enough.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xxhash
+
+from ..errors import BaseMismatch, ChecksumError, FormatError, IntegrityError, LimitError, ModelMismatch
+from ..tensors import tensor_digest
+from .projection import apply_low_rank, rademacher
+from .record import UpdateRecord
+
+MAGIC = b"WHLOGRA1"
+MAX_HEADER = 16 << 20
+MAX_NUMEL = 1 << 40
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    t = t.detach().cpu().contiguous()
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32).numpy().tobytes()
+
+
+def encode_update(rec: UpdateRecord) -> bytes:
+    """The frame for one recorded step (see the module docstring)."""
+    entries: list[dict[str, Any]] = []
+    body: list[bytes] = []
+    offset = 0
+    for s in rec.sketches:
+        raw = _raw(s.u)
+        entries.append({"name": s.name, "kind": "sketch", "shape": list(s.shape),
+                        "dtype": _NAMES[s.u.dtype], "offset": offset, "nbytes": len(raw),
+                        "base": s.base_digest.hex(), "digest": s.digest.hex(), "seed": s.seed,
+                        "epoch": s.epoch, "rank": int(s.u.shape[1]), "coef": s.coef, "decay": s.decay})
+        body.append(raw)
+        offset += len(raw)
+    for d in rec.dense:
+        raw = _raw(d.value.float())
+        entries.append({"name": d.name, "kind": "dense", "shape": list(d.value.shape),
+                        "dtype": "float32", "offset": offset, "nbytes": len(raw),
+                        "base": d.base_digest.hex(), "digest": d.digest.hex()})
+        body.append(raw)
+        offset += len(raw)
+    header = json.dumps({"step": rec.step, "entries": entries}, separators=(",", ":")).encode()
+    frame = MAGIC + struct.pack("<I", len(header)) + header + b"".join(body)
+    return frame + xxhash.xxh3_128_digest(frame)
+
+
+@dataclass(frozen=True, slots=True)
+class CompactEntry:
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    data: memoryview
+    base: bytes
+    digest: bytes
+    seed: int = 0
+    epoch: int = 0
+    rank: int = 0
+    coef: float = 0.0
+    decay: float = 1.0
+
+
+def parse_update(buf: bytes) -> tuple[int, list[CompactEntry]]:
+    """(step, entries) of a frame; raises FormatError/ChecksumError/LimitError on bad bytes."""
+    mv = memoryview(buf)
+    if len(mv) < len(MAGIC) + 4 + 16 or bytes(mv[:8]) != MAGIC:
+        raise FormatError(f"not a LoGRA compact update ({len(mv)} bytes; magic {bytes(mv[:8])!r})")
+    if xxhash.xxh3_128_digest(mv[:-16]) != bytes(mv[-16:]):
+        raise ChecksumError("LoGRA compact update: checksum mismatch (truncated or corrupt); refetch it")
+    (hlen,) = struct.unpack_from("<I", mv, 8)
+    if hlen > MAX_HEADER or 12 + hlen > len(mv) - 16:
+        raise LimitError(f"LoGRA compact update: header length {hlen} exceeds the frame or limit")
+    try:
+        header = json.loads(bytes(mv[12:12 + hlen]))
+        step, raw_entries = int(header["step"]), list(header["entries"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise FormatError(f"LoGRA compact update: bad header ({exc})") from exc
+    body = mv[12 + hlen:-16]
+    entries, offset = [], 0
+    for e in raw_entries:
+        entries.append(_entry(e, body, offset))
+        offset += entries[-1].data.nbytes
+    if offset != len(body):
+        raise FormatError(f"LoGRA compact update: entries cover {offset} of {len(body)} body bytes")
+    return step, entries
+
+
+def _entry(e: dict[str, Any], body: memoryview, offset: int) -> CompactEntry:
+    try:
+        kind, dtype = e["kind"], _DTYPES[e["dtype"]]
+        shape = tuple(int(x) for x in e["shape"])
+        if kind not in ("sketch", "dense") or (kind == "sketch" and len(shape) != 2):
+            raise ValueError(f"kind {kind!r} with shape {shape}")
+        rank = int(e["rank"]) if kind == "sketch" else 0
+        numel = shape[0] * rank if kind == "sketch" else math.prod(shape)
+        if any(x <= 0 for x in shape) or numel > MAX_NUMEL or (kind == "sketch" and not
+                                                                1 <= rank <= min(shape)):
+            raise ValueError(f"shape {shape} rank {rank} out of range")
+        nbytes = numel * dtype.itemsize
+        if int(e["offset"]) != offset or int(e["nbytes"]) != nbytes or offset + nbytes > len(body):
+            raise ValueError(f"bytes [{e['offset']}, +{e['nbytes']}) do not match {nbytes} at {offset}")
+        extra: dict[str, Any] = {}
+        if kind == "sketch":
+            extra = dict(seed=int(e["seed"]), epoch=int(e["epoch"]), rank=rank,
+                         coef=float(e["coef"]), decay=float(e["decay"]))
+        return CompactEntry(str(e["name"]), kind, shape, dtype, body[offset:offset + nbytes],
+                            bytes.fromhex(e["base"]), bytes.fromhex(e["digest"]), **extra)
+    except (ValueError, KeyError, TypeError) as exc:
+        name = e.get("name", "?") if isinstance(e, dict) else repr(e)
+        raise FormatError(f"LoGRA compact update: bad entry {name}: {exc}") from exc
+
+
+def _tensor(entry: CompactEntry, shape: tuple[int, ...]) -> torch.Tensor:
+    as_int = torch.int16 if entry.dtype == torch.bfloat16 else torch.int32
+    return torch.frombuffer(bytearray(entry.data), dtype=as_int).view(entry.dtype).reshape(shape)
+
+
+class CompactReceiver:
+    """Holds fp32 masters and applies compact updates all-or-nothing.
+
+    Args:
+        masters: name → fp32 CPU tensor (owned by the receiver from now on).
+    """
+
+    def __init__(self, masters: MutableMapping[str, torch.Tensor]) -> None:
+        self.masters = masters
+        self.step: int | None = None
+
+    def apply(self, buf: bytes) -> dict[str, int]:
+        """Verify base digests, replay every entry on copies, verify result digests, then swap.
+
+        Returns counts {"sketch": n, "dense": n, "bytes": len(buf)}. Raises FormatError family
+        (bad bytes), ModelMismatch (unknown name/shape), BaseMismatch (masters are not the
+        payload's base), IntegrityError (replayed bits differ from the trainer's): on any
+        error the masters are unchanged.
+        """
+        step, entries = parse_update(buf)
+        staged: dict[str, torch.Tensor] = {}
+        for e in entries:
+            cur = self.masters.get(e.name)
+            if cur is None or tuple(cur.shape) != e.shape or cur.dtype != torch.float32:
+                got = None if cur is None else (tuple(cur.shape), cur.dtype)
+                raise ModelMismatch(f"compact update step {step}: '{e.name}' {e.shape} fp32 expected, "
+                                    f"receiver holds {got}")
+            if tensor_digest(cur) != e.base:
+                raise BaseMismatch(f"compact update step {step}: '{e.name}' is not at the update's base "
+                                   f"(digest {tensor_digest(cur).hex()[:12]}…, expected "
+                                   f"{e.base.hex()[:12]}…); resync this receiver from a full version")
+            if e.kind == "sketch":
+                new = cur.clone()
+                u = _tensor(e, (e.shape[0], e.rank))
+                p = rademacher(e.seed, e.name, e.epoch, e.shape[1], e.rank)
+                apply_low_rank(new, u, p, coef=e.coef, decay=e.decay)
+            else:
+                new = _tensor(e, e.shape).clone()
+            if tensor_digest(new) != e.digest:
+                raise IntegrityError(f"compact update step {step}: replayed '{e.name}' has digest "
+                                     f"{tensor_digest(new).hex()[:12]}…, trainer's is {e.digest.hex()[:12]}…")
+            staged[e.name] = new
+        for name, new in staged.items():  # commit: nothing above touched the masters
+            self.masters[name] = new
+        self.step = step
+        kinds = [e.kind for e in entries]
+        return {"sketch": kinds.count("sketch"), "dense": kinds.count("dense"), "bytes": len(buf)}
+
+    def bf16_state(self) -> dict[str, torch.Tensor]:
+        """The inference copy a rollout worker serves: each master cast to bf16."""
+        return {n: t.to(torch.bfloat16) for n, t in self.masters.items()}

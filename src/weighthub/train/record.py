@@ -1,0 +1,47 @@
+"""What one applied LoGRA step changed, in the terms a compact-sync receiver needs to replay it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..tensors import tensor_digest
+
+
+@dataclass(frozen=True, slots=True)
+class SketchRecord:
+    """W ← W·decay + apply_low_rank(u·coef, P(seed, name, epoch)) for one sketched weight."""
+
+    name: str
+    shape: tuple[int, ...]
+    u: torch.Tensor  # (m×r) in the optimizer's update dtype: exactly what was applied
+    seed: int
+    epoch: int
+    coef: float  # fp32-representable (−α·lr)
+    decay: float  # fp32-representable (1 − α·lr·wd)
+    base_digest: bytes  # xxh3-128 of the fp32 master before the step
+    digest: bytes  # … and after
+
+
+@dataclass(frozen=True, slots=True)
+class DenseRecord:
+    """A densely updated parameter: its new fp32 values travel as they are."""
+
+    name: str
+    value: torch.Tensor
+    base_digest: bytes
+    digest: bytes
+
+
+@dataclass(slots=True)
+class UpdateRecord:
+    """One applied step (`step` is the 1-based count of applied steps)."""
+
+    step: int
+    sketches: list[SketchRecord] = field(default_factory=list)
+    dense: list[DenseRecord] = field(default_factory=list)
+
+    @staticmethod
+    def digest(t: torch.Tensor) -> bytes:
+        return tensor_digest(t.detach().cpu())
