@@ -255,8 +255,11 @@ def encode_segment(old: np.ndarray | None, new: np.ndarray, dtype: DType, *, ten
     if old is None:
         return _dense_segment(tensor, start, new)
     n = new.size
-    ch = _scan(old, new, n // 2)
-    if ch is None:  # more than half changed
+    # Even at 50% changed a bitmap + small differences is far below dense (~0.2 vs 0.78 of the
+    # bf16 bytes, measured at lr 1e-4), so only give up on the delta when nearly every word
+    # changed; the limit also bounds the scan's buffers (12 bytes per changed element).
+    ch = _scan(old, new, n - n // 16)
+    if ch is None:  # nearly everything changed
         return _dense_segment(tensor, start, new)
     pos = ch.pos
     if pos.size == 0:
