@@ -347,10 +347,17 @@ def cmd_shaped(args: argparse.Namespace) -> int:
         counts = [int(x) for x in args.receivers.split(",") if x]
     except ValueError as exc:
         raise UsageError(f"--rates/--receivers take comma-separated numbers: {exc}") from exc
+    out = Path(args.json).expanduser() if args.json else None
+    if out is not None:  # prove the output is writable before minutes of measuring
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.touch()
+        except OSError as exc:
+            raise UsageError(f"cannot write --json {out}: {exc.strerror or exc}") from None
     doc = run_shaped_bench(rates, counts, size_mib=args.size_mib,
                            shardcast=False if args.no_shardcast else None)
-    if args.json:
-        Path(args.json).write_text(json.dumps(doc, indent=1, sort_keys=True))
+    if out is not None:
+        out.write_text(json.dumps(doc, indent=1, sort_keys=True))
     print(format_table(doc))
     return 0
 
