@@ -394,6 +394,39 @@ def encode_group_stream(keys, ranks, count, size, out):
     return g
 
 
+@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _group_cursors(n, gmask, gkeys, gcounts, gaps):
+    """Per group: elements to skip before its next change, changes left, read index in `gaps`.
+
+    Varints are not indexable, so each group's sub-stream is located by one pass through them
+    (which also validates them all). Returns (status, skip, left, gpos); status < 0 on error.
+    """
+    size = int(gmask) + 1
+    skip = np.full(size, _NEVER, np.int64)
+    left = np.zeros(size, np.int64)
+    gpos = np.zeros(size, np.int64)
+    gend = gaps.shape[0]
+    i = 0
+    for g in range(gkeys.shape[0]):
+        k = gkeys[g]
+        gpos[k] = i
+        left[k] = gcounts[g]
+        for _ in range(gcounts[g]):
+            _, i = _read_varint(gaps, i, gend)
+            if i < 0:
+                return i, skip, left, gpos
+    if i != gend:
+        return TRAILING_BYTES, skip, left, gpos
+    for g in range(gkeys.shape[0]):
+        k = gkeys[g]
+        if left[k] > 0:
+            v, gpos[k] = _read_varint(gaps, gpos[k], gend)  # validated by the pass above
+            if v >= np.uint64(n):
+                return POSITION_OUT_OF_RANGE, skip, left, gpos
+            skip[k] = np.int64(v)
+    return 0, skip, left, gpos
+
+
 @njit(cache=True, nogil=True, boundscheck=False)
 def apply_group_stream(dst, shift, gmask, gkeys, gcounts, gaps, op, codec, vals, count, mask,
                        undo_pos, undo_val):
@@ -408,31 +441,10 @@ def apply_group_stream(dst, shift, gmask, gkeys, gcounts, gaps, op, codec, vals,
     """
     n = dst.shape[0]
     width = dst.itemsize
-    ng = gkeys.shape[0]
-    size = int(gmask) + 1
-    skip = np.full(size, _NEVER, np.int64)
-    left = np.zeros(size, np.int64)
-    gpos = np.zeros(size, np.int64)  # read index into `gaps` per group
     gend = gaps.shape[0]
-    # locate each group's sub-stream: varints are not indexable, so skip through them once
-    i = 0
-    for g in range(ng):
-        k = gkeys[g]
-        gpos[k] = i
-        left[k] = gcounts[g]
-        for _ in range(gcounts[g]):
-            _, i = _read_varint(gaps, i, gend)
-            if i < 0:
-                return i, 0
-    if i != gend:
-        return TRAILING_BYTES, 0
-    for g in range(ng):
-        k = gkeys[g]
-        if left[k] > 0:
-            v, gpos[k] = _read_varint(gaps, gpos[k], gend)  # validated by the pass above
-            if v >= np.uint64(n):
-                return POSITION_OUT_OF_RANGE, 0
-            skip[k] = np.int64(v)
+    status, skip, left, gpos = _group_cursors(n, gmask, gkeys, gcounts, gaps)
+    if status < 0:
+        return status, 0
     sh = np.uint64(shift)
     vi = 0
     vend = vals.shape[0]
@@ -475,30 +487,10 @@ def decode_group_positions(src, shift, gmask, gkeys, gcounts, gaps, count, out):
     fast gap kernel. Returns the number of positions written (== count) or a negative status.
     """
     n = src.shape[0]
-    ng = gkeys.shape[0]
-    size = int(gmask) + 1
-    skip = np.full(size, _NEVER, np.int64)
-    left = np.zeros(size, np.int64)
-    gpos = np.zeros(size, np.int64)
     gend = gaps.shape[0]
-    i = 0
-    for g in range(ng):
-        k = gkeys[g]
-        gpos[k] = i
-        left[k] = gcounts[g]
-        for _ in range(gcounts[g]):
-            _, i = _read_varint(gaps, i, gend)
-            if i < 0:
-                return i
-    if i != gend:
-        return TRAILING_BYTES
-    for g in range(ng):
-        k = gkeys[g]
-        if left[k] > 0:
-            v, gpos[k] = _read_varint(gaps, gpos[k], gend)
-            if v >= np.uint64(n):
-                return POSITION_OUT_OF_RANGE
-            skip[k] = np.int64(v)
+    status, skip, left, gpos = _group_cursors(n, gmask, gkeys, gcounts, gaps)
+    if status < 0:
+        return status
     sh = np.uint64(shift)
     t = 0
     for p in range(n):
