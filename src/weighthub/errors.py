@@ -20,7 +20,12 @@ zstd errors, …) are mapped once, at the seam where they happen (`raise X(...) 
     │   ├── BaseMismatch        a delta whose base is not what the receiver holds
     │   └── ModelMismatch       tensor names, dtypes or shapes differ from the store's model
     ├── IntegrityError          bits that are not what the manifest says (digest mismatch)
-    └── ApplyError              the target failed during apply; it was rolled back
+    ├── ApplyError              the target failed during apply; it was rolled back
+    ├── PlacementError          a serving engine's loader or a shard layout does not place the
+    │                           canonical tensors as declared (gaps, overlaps, renamed/skipped)
+    └── NetError                a peer, relay or hub failed
+        ├── AuthError           a request without a valid token was refused (or ours was)
+        └── PeerUnavailable     a peer/hub did not answer in time or refused the version
 """
 
 from __future__ import annotations
@@ -96,3 +101,19 @@ class IntegrityError(WeighthubError):
 
 class ApplyError(WeighthubError):
     """The target failed while changes were applied; it was rolled back to its committed version."""
+
+
+class PlacementError(WeighthubError):
+    """A loader or shard layout does not place the canonical tensors as declared."""
+
+
+class NetError(WeighthubError):
+    """A peer, relay or hub failed."""
+
+
+class AuthError(NetError):
+    """A request without a valid token was refused (or ours was)."""
+
+
+class PeerUnavailable(NetError):
+    """A peer or hub did not answer in time, or does not serve what was asked."""
