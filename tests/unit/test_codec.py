@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import random_bits, special_patterns
 from hypothesis import given
 from hypothesis import strategies as st
 
+from bit_patterns import random_bits, special_patterns
 from weighthub.codec import (
     EncodePolicy,
     Op,
@@ -23,9 +23,10 @@ from weighthub.codec import (
     apply_segment,
     encode_segment,
 )
+from weighthub.codec.digest import lanes_digest
 from weighthub.errors import FormatError
 from weighthub.format import decode_chunk, encode_chunk
-from weighthub.tensors import DTYPES, DType
+from weighthub.tensors import DTYPES, DType, digest_add, digest_affine, digest_sub
 
 DTYPE_IDS = [d.name for d in DTYPES]
 FLOATS = [d for d in DTYPES if d.is_float]
@@ -144,8 +145,13 @@ def roundtrip(seg: Segment | None, old: np.ndarray, new: np.ndarray, dtype: DTyp
         return
     dst = old.copy()
     undo = UndoLog()
-    apply_segment(seg, dst, dtype, undo, "test")
+    dnew, dold = np.zeros(2, np.uint64), np.zeros(2, np.uint64)
+    apply_segment(seg, dst, dtype, undo, "test", dnew=dnew, dold=dold)
     assert same_bits(dst, new)
+    # the digest change the kernel folded in as it wrote (spec §4) is exactly the range's
+    change = digest_sub(lanes_digest(dnew), lanes_digest(dold))
+    assert digest_add(digest_affine(old, seg.start, (1,)), change) == \
+        digest_affine(new, seg.start, (1,))
     undo.rollback()
     assert same_bits(dst, old)
     undo.rollback()  # idempotent

@@ -7,6 +7,7 @@ Checks that come after the checksum are reached by re-sealing the mutated frame.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import struct
 import tracemalloc
 
@@ -18,7 +19,15 @@ import zstandard
 
 from weighthub.codec import Op, Positions, Segment, Values
 from weighthub.errors import ChecksumError, FormatError, FormatVersionError, LimitError, UnknownCodecError
-from weighthub.format import ChunkRef, Manifest, TensorEntry, decode_chunk, decode_manifest, encode_chunk
+from weighthub.format import (
+    ChunkRef,
+    Manifest,
+    TensorEntry,
+    chunk_checksum,
+    decode_chunk,
+    decode_manifest,
+    encode_chunk,
+)
 from weighthub.format import chunk as chunk_mod
 from weighthub.format import manifest as manifest_mod
 from weighthub.format.manifest import encode_manifest
@@ -51,7 +60,8 @@ GOLDEN = bytes.fromhex(
     # trailer: xxh3-64 of everything above, little-endian
     "73d630eeaa72f366"
 )
-GOLDEN_XXH3_128 = "89024e351d6b2429f6422a4d97c984bd"
+# the manifest's checksum of this frame (format 2: SHA-256), computed with hashlib
+GOLDEN_SHA256 = "c05776ff0b0ae8480c30ea94f366e51586830676b1274b0fa3a70219a2bf2bcc"
 
 
 def reseal(frame: bytes) -> bytes:
@@ -81,7 +91,7 @@ def with_record(frame: bytes, i: int, **fields: int) -> bytes:
 def test_golden_chunk_bytes() -> None:
     frame = encode_chunk(golden_segments(), compress=False)
     assert frame.hex() == GOLDEN.hex()
-    assert xxhash.xxh3_128_hexdigest(frame) == GOLDEN_XXH3_128
+    assert chunk_checksum(frame) == GOLDEN_SHA256 == hashlib.sha256(GOLDEN).hexdigest()
 
 
 def test_golden_chunk_decodes() -> None:
@@ -247,23 +257,24 @@ def test_zstd_body_whose_content_size_disagrees() -> None:
 # --- manifests -------------------------------------------------------------------------------
 
 MANIFEST = Manifest(
-    format=1, kind="weighthub.manifest", model="0" * 32, version=3, base=2, base_root="1" * 32,
+    format=2, kind="weighthub.manifest", model="0" * 32, version=3, base=2, base_root="1" * 32,
     root="2" * 32,
     tensors=[TensorEntry("a", "BF16", [2, 2], "3" * 32, 1, ["xor/gaps/varint"]),
              TensorEntry("b", "I64", [3], "4" * 32)],
-    chunks=[ChunkRef("v000000000003/from-000000000002-abc/c000000.whc", 123, "5" * 32,
+    chunks=[ChunkRef("v000000000003/from-000000000002-abc/c000000.whc", 123, "5" * 64,
                      [(0, 0, 4), (1, 0, 3)])],
     dense_bytes=32, payload_bytes=123, changed=1, publisher="p", created=1.5,
 )
 MANIFEST_JSON = (
-    b'{"format":1,"kind":"weighthub.manifest","model":"00000000000000000000000000000000",'
+    b'{"format":2,"kind":"weighthub.manifest","model":"00000000000000000000000000000000",'
     b'"version":3,"base":2,"base_root":"11111111111111111111111111111111",'
     b'"root":"22222222222222222222222222222222","tensors":[{"name":"a","dtype":"BF16",'
     b'"shape":[2,2],"digest":"33333333333333333333333333333333","changed":1,'
     b'"ops":["xor/gaps/varint"]},{"name":"b","dtype":"I64","shape":[3],'
     b'"digest":"44444444444444444444444444444444","changed":0,"ops":[]}],'
     b'"chunks":[{"key":"v000000000003/from-000000000002-abc/c000000.whc","size":123,'
-    b'"checksum":"55555555555555555555555555555555","covers":[[0,0,4],[1,0,3]]}],'
+    b'"checksum":"5555555555555555555555555555555555555555555555555555555555555555",'
+    b'"covers":[[0,0,4],[1,0,3]]}],'
     b'"dense_bytes":32,"payload_bytes":123,"changed":1,"publisher":"p","created":1.5}'
 )
 MWHERE = "memory://t/v000000000003/manifest.json"
@@ -278,7 +289,7 @@ def test_manifest_golden_json_and_roundtrip() -> None:
 
 def _with_chunks(*covers: list[tuple[int, int, int]]) -> Manifest:
     return msgspec.structs.replace(MANIFEST, chunks=[
-        ChunkRef(f"v3/c{i}.whc", 10, "5" * 32, list(c)) for i, c in enumerate(covers)])
+        ChunkRef(f"v3/c{i}.whc", 10, "5" * 64, list(c)) for i, c in enumerate(covers)])
 
 
 def _with_tensor(**fields) -> Manifest:
@@ -301,7 +312,8 @@ HOSTILE_MANIFESTS = {
     "empty": (b"", FormatError, "not valid JSON"),
     "a list": (b"[1, 2]", FormatError, "not a weighthub manifest"),
     "wrong kind": (_edit(kind="weighthub.chunk"), FormatError, "not a weighthub manifest"),
-    "unknown format": (_edit(format=2), FormatVersionError, "manifest format 2"),
+    "unknown format": (_edit(format=3), FormatVersionError, "manifest format 3.*upgrade"),
+    "format 1 (xxh3 digests)": (_edit(format=1), FormatVersionError, "format 1 was written by an older"),
     "unknown field": (_edit(extra=1), FormatError, "invalid manifest"),
     "wrong type": (_edit(version="3"), FormatError, "invalid manifest"),
     "bad root hex": (_json(msgspec.structs.replace(MANIFEST, root="Z" * 32)), FormatError, "128-bit hex"),
@@ -311,6 +323,9 @@ HOSTILE_MANIFESTS = {
     "upper-case digest": (_json(_with_tensor(digest="A" * 32)), FormatError, "digest"),
     "bad chunk checksum": (_json(msgspec.structs.replace(MANIFEST, chunks=[msgspec.structs.replace(
         MANIFEST.chunks[0], checksum="5" * 16)])), FormatError, "bad size or checksum"),
+    "xxh3-sized chunk checksum": (_json(msgspec.structs.replace(MANIFEST, chunks=[
+        msgspec.structs.replace(MANIFEST.chunks[0], checksum="5" * 32)])), FormatError,
+        "bad size or checksum"),
     "zero chunk size": (_json(msgspec.structs.replace(MANIFEST, chunks=[msgspec.structs.replace(
         MANIFEST.chunks[0], size=0)])), FormatError, "bad size or checksum"),
     "coverage gap": (_json(_with_chunks([(0, 0, 3), (1, 0, 3)])), FormatError, "cover 3 of 4"),
@@ -331,7 +346,7 @@ HOSTILE_MANIFESTS = {
     "dot key segment": (_json(msgspec.structs.replace(MANIFEST, chunks=[msgspec.structs.replace(
         MANIFEST.chunks[0], key="./c.whc")])), FormatError, "chunk key"),
     "repeated key": (_json(msgspec.structs.replace(MANIFEST, chunks=[
-        ChunkRef("v3/c.whc", 10, "5" * 32, [(0, 0, 4)]), ChunkRef("v3/c.whc", 10, "5" * 32, [(1, 0, 3)])])),
+        ChunkRef("v3/c.whc", 10, "5" * 64, [(0, 0, 4)]), ChunkRef("v3/c.whc", 10, "5" * 64, [(1, 0, 3)])])),
         FormatError, "chunk key"),
     "negative shape": (_json(_with_tensor(shape=[-2, -2])), FormatError, "bad shape"),
     "too many dims": (_json(_with_tensor(shape=[1] * 17)), FormatError, "bad shape"),
@@ -372,3 +387,72 @@ def test_manifest_too_many_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(manifest_mod, "MAX_TENSORS", 1)
     with pytest.raises(LimitError, match=MWHERE):
         decode_manifest(MANIFEST_JSON, where=MWHERE)
+
+
+# --- box coverage (a trainer rank's strided shard) ----------------------------------------------
+
+def _with_boxes(*chunks: tuple[list[tuple[int, int, int]], list[tuple[int, list[int], list[int]]]]
+                ) -> Manifest:
+    """MANIFEST whose chunks cover (ranges, boxes); tensor 'a' is [2, 2], 'b' is [3]."""
+    return msgspec.structs.replace(MANIFEST, chunks=[
+        ChunkRef(f"v3/c{i}.whc", 10, "5" * 64, list(r), list(b)) for i, (r, b) in enumerate(chunks)])
+
+
+COLUMNS = _with_boxes(([(1, 0, 3)], [(0, [0, 0], [2, 1])]), ([], [(0, [0, 1], [2, 1])]))
+
+
+def test_box_coverage_roundtrips_and_box_free_json_has_no_boxes_field() -> None:
+    buf = encode_manifest(COLUMNS)
+    assert b'"covers":[[1,0,3]],"boxes":[[0,[0,0],[2,1]]]}' in buf
+    assert b'"covers":[],"boxes":[[0,[0,1],[2,1]]]}' in buf
+    assert decode_manifest(buf, where=MWHERE) == COLUMNS
+    assert b"boxes" not in MANIFEST_JSON  # pinned by the golden bytes above
+
+
+HOSTILE_BOXES = {
+    "box past the end": (_with_boxes(([(1, 0, 3)], [(0, [0, 1], [2, 2])])), FormatError, "bad box"),
+    "box negative offset": (_with_boxes(([(1, 0, 3)], [(0, [-1, 0], [2, 2])])), FormatError, "bad box"),
+    "box empty dim": (_with_boxes(([(1, 0, 3)], [(0, [0, 0], [0, 2]), (0, [0, 0], [2, 2])])),
+                      FormatError, "bad box"),
+    "box wrong rank": (_with_boxes(([(1, 0, 3)], [(0, [0], [4])])), FormatError, "bad box"),
+    "box bad tensor": (_with_boxes(([(1, 0, 3)], [(0, [0, 0], [2, 2]), (2, [0], [1])])),
+                       FormatError, "bad box"),
+    "box gap": (_with_boxes(([(1, 0, 3)], [(0, [0, 0], [2, 1])])), FormatError, "cover 2 of 4"),
+    "box double": (_with_boxes(([(1, 0, 3)], [(0, [0, 0], [2, 2])]), ([], [(0, [0, 0], [2, 2])])),
+                   FormatError, "cover 8 of 4"),
+    # same volume as the tensor: one element twice, another never
+    "box overlap": (_with_boxes(([(1, 0, 3)], [(0, [0, 0], [1, 2])]), ([], [(0, [0, 1], [2, 1])])),
+                    FormatError, "overlap in tensor 'a'"),
+    "ranges and boxes mixed": (_with_boxes(([(1, 0, 3), (0, 1, 2), (0, 3, 4)], [(0, [0, 0], [2, 1])])),
+                               FormatError, "both ranges and boxes"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_BOXES))
+def test_hostile_box_coverage(name: str) -> None:
+    m, cls, match = HOSTILE_BOXES[name]
+    with pytest.raises(cls, match=match) as info:
+        decode_manifest(_json(m), where=MWHERE)
+    assert type(info.value) is cls and MWHERE in str(info.value)
+
+
+def test_malformed_boxes_are_refused() -> None:
+    obj = msgspec.json.decode(encode_manifest(COLUMNS))
+    obj["chunks"][0]["boxes"] = [[0, 0, 2]]  # a range where a box belongs
+    with pytest.raises(FormatError, match="invalid manifest"):
+        decode_manifest(msgspec.json.encode(obj), where=MWHERE)
+
+
+def _grid_manifest(boxes: list[tuple[list[int], list[int]]]) -> bytes:
+    tensors = [TensorEntry("g", "BF16", [6, 8, 10], "3" * 32)]
+    chunks = [ChunkRef(f"v3/c{i}.whc", 10, "5" * 64, [], [(0, o, s)]) for i, (o, s) in enumerate(boxes)]
+    return _json(msgspec.structs.replace(MANIFEST, tensors=tensors, chunks=chunks))
+
+
+def test_a_grid_of_boxes_tiles_and_a_moved_box_overlaps() -> None:
+    grid = [([a, b, c], [2, 4, 5]) for a in (0, 2, 4) for b in (0, 4) for c in (0, 5)]
+    assert len(decode_manifest(_grid_manifest(grid), where=MWHERE).chunks) == 12
+    moved = list(grid)
+    moved[7] = ([4, 4, 5], [2, 4, 5])  # onto the last box: same volume, one hole left behind
+    with pytest.raises(FormatError, match=r"overlap in tensor 'g'"):
+        decode_manifest(_grid_manifest(moved), where=MWHERE)

@@ -7,6 +7,7 @@ integer views of every tensor) and still report its previous version.
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import msgspec
 import numpy as np
@@ -24,7 +25,9 @@ from weighthub.errors import (
     NoSyncPath,
     ObjectExists,
     ObjectNotFound,
+    PlacementError,
     StoreUnavailable,
+    UsageError,
     VersionNotFound,
 )
 from weighthub.format import encode_manifest
@@ -32,7 +35,8 @@ from weighthub.publish import Publisher
 from weighthub.receive import Receiver
 from weighthub.store import LocalStore, MemoryStore, Store
 from weighthub.targets import Held, ModuleTarget, StateDictTarget
-from weighthub.tensors import bits
+from weighthub.targets.base import unique_views
+from weighthub.tensors import bits, tensor_digest
 
 SPAN = 16 << 10  # small chunks, so one version has several chunks and segments
 
@@ -314,11 +318,11 @@ def test_failure_in_the_second_delta_of_a_chain(store: Store, monkeypatch: pytes
     real = receive_mod.apply_segment
     seen: list[str] = []
 
-    def counting(seg, dst, dtype, undo, where):
+    def counting(seg, dst, dtype, undo, where, **kw):
         seen.append(where)
         if catalog.version_dir(2) in where:
             raise RuntimeError("fails inside v2")
-        return real(seg, dst, dtype, undo, where)
+        return real(seg, dst, dtype, undo, where, **kw)
 
     monkeypatch.setattr(receive_mod, "apply_segment", counting)
     with pytest.raises(ApplyError):
@@ -520,3 +524,142 @@ def test_no_sync_path_without_anchor(store: Store) -> None:
     store.delete(catalog_key)  # version 0 no longer exists: nothing to start from
     with pytest.raises(NoSyncPath):
         Receiver(store, StateDictTarget({})).sync()
+
+
+# --- linear digests: O(changed) upkeep in publisher and receiver -------------------------------
+
+
+def test_publisher_digests_equal_full_digests_every_version(store: Store) -> None:
+    pub = publisher(store, anchor_every=3, skip_every=2)
+    state = make_state()
+    for v in range(7):
+        if v:
+            state = step(state, v)
+            big = bits(state["layers.0.mlp.bias"])  # one tensor changes entirely: a dense segment
+            big[:] = np.random.default_rng(v).integers(0, 2**32, big.size, dtype=np.uint32)
+        res = pub.publish(state)
+        for m in [r for r in catalog.representations(store, v)]:
+            manifest = catalog.read_manifest(store, m.key)
+            assert {e.name: e.digest for e in manifest.tensors} == {
+                n: tensor_digest(t).hex() for n, t in state.items()}
+        assert res.stream_seconds > 0 and res.encode_seconds > 0 and res.upload_seconds > 0
+        assert res.overlap > 0 and res.seconds >= res.stream_seconds
+
+
+def test_incremental_and_full_verify_agree_and_time_the_pause(store: Store) -> None:
+    _pub, states = publish_chain(store, 4)
+    a, b = StateDictTarget({}), StateDictTarget({})
+    ra, rb = Receiver(store, a), Receiver(store, b, verify="full")
+    for v in (0, 1, 3):
+        out = ra.sync(v)
+        rb.sync(v)
+        assert same_bits(a.state, states[v]) and same_bits(b.state, states[v])
+        assert out.pause_seconds >= out.apply_seconds + out.verify_seconds > 0
+        assert out.seconds >= out.stage_seconds + out.pause_seconds
+    with pytest.raises(UsageError, match="verify='sometimes'"):
+        Receiver(store, a, verify="sometimes")  # type: ignore[arg-type]
+
+
+def test_incremental_verify_sees_a_wrong_word_written(at_v1, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels fold what they write into the digest: a wrong word written is a mismatch."""
+    _store, _pub, states, target, rx = at_v1
+    real = receive_mod.apply_segment
+    hits = {"n": 0}
+
+    def off_by_one(seg, dst, dtype, undo, where, **kw):
+        if hits["n"] == 0 and seg.count:  # one value one bit off: a decoding bug's output
+            hits["n"] += 1
+            vals = seg.val_bytes.copy()
+            vals[0] ^= 1  # bit 0 of a varint's first byte or of a raw word: still well formed
+            seg = replace(seg, val_bytes=vals)
+        return real(seg, dst, dtype, undo, where, **kw)
+
+    monkeypatch.setattr(receive_mod, "apply_segment", off_by_one)
+    with pytest.raises(IntegrityError, match="differ from the manifest's digests"):
+        rx.sync(2)
+    assert hits["n"] == 1
+    _assert_unchanged(target, rx, states)
+
+
+def test_a_write_behind_the_kernels_back_needs_full_verify(at_v1,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trade-off of folding digests in the kernels: memory changed after the kernel wrote is
+    not re-read by incremental verification; verify="full" re-reads it and rolls back."""
+    store, _pub, states, target, _rx = at_v1
+    real = receive_mod.apply_segment
+
+    def clobber(seg, dst, dtype, undo, where, **kw):
+        entry = real(seg, dst, dtype, undo, where, **kw)
+        if entry is not None and entry.positions is not None and entry.done:
+            dst[entry.positions[0]] ^= dst.dtype.type(1)  # a stray write after the kernel's
+        return entry
+
+    monkeypatch.setattr(receive_mod, "apply_segment", clobber)
+    with pytest.raises(IntegrityError, match="differ from the manifest's digests"):
+        Receiver(store, target, verify="full").sync(2)
+    _assert_unchanged(target, Receiver(store, target), states)
+
+
+def test_views_that_partly_share_memory_are_refused(store: Store) -> None:
+    """Incremental verification trusts what the kernels wrote; tensors partly sharing memory
+    would change each other behind it, so such a target is refused before anything is written."""
+    _pub, states = publish_chain(store, 2)
+    n, m = states[0]["layers.0.mlp.bias"].numel(), states[0]["special"].numel()
+    for overlap in (m // 2, 0):
+        big = torch.zeros(n + m - overlap)  # mlp.bias and special (both f32) in one buffer
+        state = {k: t.clone() for k, t in states[0].items()}
+        state["layers.0.mlp.bias"], state["special"] = big[:n], big[n - overlap:]
+        target = StateDictTarget(state)
+        before = snapshot(state)
+        if overlap:
+            with pytest.raises(PlacementError, match=r"'layers\.0\.mlp\.bias' and 'special' partly"):
+                Receiver(store, target).sync(1)
+            assert same_bits(target.state, before) and target.held() is None
+        else:
+            Receiver(store, target).sync(1)
+            assert same_bits(target.state, states[1])
+    # views whose byte extents interleave but share no byte pass; exact aliases (tied) pass
+    buf = np.zeros((8, 6), np.uint16)
+    ok = {"even": buf[:, 0::2], "odd": buf[:, 1::2], "tied": buf[:, 0::2], "own": np.zeros(4)}
+    receive_mod._check_disjoint(ok, unique_views(ok))
+    bad = {"even": buf[:, 0::2], "cols": buf[:, 2:4]}
+    with pytest.raises(PlacementError, match="partly share memory"):
+        receive_mod._check_disjoint(bad, unique_views(bad))
+
+
+def test_held_digests_without_the_receiver_cache(at_v1) -> None:
+    """A new receiver finds the held digests in the held manifest, or digests the held bits."""
+    store, _pub, states, target, _rx = at_v1
+    assert Receiver(store, target).sync(2).version == 2  # from the manifest of v1
+    assert same_bits(target.state, states[2])
+    pub = Publisher(store, delta_span_bytes=SPAN, retain=0)
+    states.append(step(states[2], 3))
+    pub.publish(states[3])
+    store.delete(catalog.rep_key(2, 1, primary=True))  # v2's manifest gone: digest the held bits
+    assert Receiver(store, target).sync(3).version == 3
+    assert same_bits(target.state, states[3])
+
+
+def test_tampered_held_bits_are_caught_before_the_pause(at_v1) -> None:
+    store, _pub, _states, target, _rx = at_v1
+    store.delete(catalog.rep_key(1, 0, primary=True))  # no manifest of v1: the held bits are read
+    bits(target.state["embed.weight"])[3] ^= 1
+    edited = snapshot(target.state)
+    with pytest.raises(BaseMismatch, match="modified outside"):
+        Receiver(store, target).sync(2)
+    assert same_bits(target.state, edited)
+
+
+def test_fresh_target_full_then_delta_with_a_dense_segment(store: Store) -> None:
+    pub = publisher(store)
+    state = make_state()
+    pub.publish(state)
+    state = step(state, 1)
+    b = bits(state["layers.0.mlp.bias"])
+    b[:] = np.random.default_rng(9).integers(0, 2**32, b.size, dtype=np.uint32)
+    pub.publish(state)
+    assert any(o.startswith("dense") for e in catalog.primary_manifest(store, 1).tensors
+               for o in e.ops)
+    target = StateDictTarget({})
+    out = Receiver(store, target).sync(1)
+    assert len(out.route) == 2 and same_bits(target.state, state)

@@ -5,11 +5,13 @@ from .segment import (
     Op,
     Positions,
     Segment,
+    UndoEntry,
     UndoLog,
     Values,
     apply_segment,
     changed_positions,
     encode_segment,
+    encode_segment_tracked,
     regap_segment,
 )
 
@@ -18,10 +20,12 @@ __all__ = [
     "Op",
     "Positions",
     "Segment",
+    "UndoEntry",
     "UndoLog",
     "Values",
     "apply_segment",
     "changed_positions",
     "encode_segment",
+    "encode_segment_tracked",
     "regap_segment",
 ]

@@ -22,6 +22,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .mix import K0, K1, mix0, mix1
+
 # Status codes returned by the decode kernels (negative = refused, nothing past that point done).
 STREAM_OVERRUN = -1  # a varint or value ran past the end of its stream
 POSITION_OUT_OF_RANGE = -2  # a decoded position beyond the segment's range
@@ -232,11 +234,34 @@ def _combine(o, z, op, mask):
 # The apply loops below read a value, then record and change the word, in that order and
 # without a shared helper that returns status-or-index: written that way numba's output is
 # ~1.6x faster (the loop runs near the speed of its memory accesses).
+#
+# They also fold the digest change (format/spec.md §4) of every word they rewrite into two
+# optional sums, dnew += mix(i, new word) and dold += mix(i, old word), i = first + position,
+# while both words are in registers: the receiver then verifies in O(changed) with no second
+# pass over memory. dnew/dold are None or uint64[2]; numba compiles a variant per combination
+# and prunes the `is None` branches, so a caller that wants neither pays nothing. The sums are
+# written only on success. The words are not read back after writing: that proves what the
+# kernel wrote, not what memory holds, which is the same thing unless another view of the
+# target overlaps this one in memory (the receiver refuses such targets; see receive.py).
 
 
 @njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def _gap_loop(dst, gaps, op, codec, vals, count, mask, undo_pos, undo_val):
+def _fold(s0, s1, i1, w):
+    """(s0, s1) + the digest lanes of word w at canonical index i1 - 1."""
+    return s0 + mix0(i1 * K0, w), s1 + mix1(i1 * K1, w)
+
+
+@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _store(out, s0, s1):
+    out[0] += s0
+    out[1] += s1
+
+
+@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _gap_loop(dst, gaps, op, codec, vals, count, mask, undo_pos, undo_val, first, dnew, dold):
     n = dst.shape[0]
+    f1 = np.uint64(first) + _U1
+    n0 = n1 = o0 = o1 = _ZERO
     width = dst.itemsize
     gi = 0
     gend = gaps.shape[0]
@@ -256,32 +281,48 @@ def _gap_loop(dst, gaps, op, codec, vals, count, mask, undo_pos, undo_val):
         o = dst[p]
         undo_pos[t] = p
         undo_val[t] = o
-        dst[p] = _combine(np.uint64(o), z, op, mask)
+        w = _combine(np.uint64(o), z, op, mask)
+        dst[p] = w
+        if dnew is not None:
+            n0, n1 = _fold(n0, n1, f1 + np.uint64(p), w)
+        if dold is not None:
+            o0, o1 = _fold(o0, o1, f1 + np.uint64(p), np.uint64(o))
     if gi != gend or vi != vend:
         return TRAILING_BYTES, count
+    if dnew is not None:
+        _store(dnew, n0, n1)
+    if dold is not None:
+        _store(dold, o0, o1)
     return count, count
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def apply_gap_stream(dst, gaps, op, codec, vals, count, mask, undo_pos, undo_val):
+def apply_gap_stream(dst, gaps, op, codec, vals, count, mask, undo_pos, undo_val, first=0,
+                     dnew=None, dold=None):
     """Fused decode + apply of a gap-coded segment into dst (the segment's range), in place.
 
     Records (position, old word) of every element it changes into undo_pos/undo_val, so a
     failure at any point can be rolled back exactly. Returns (status, done): status is `count`
-    on success or a negative code; `done` entries of undo_* are valid either way.
+    on success or a negative code; `done` entries of undo_* are valid either way. On success,
+    adds the digest lanes of the new / old words to dnew / dold (see above); dst[0] is
+    canonical element `first`.
 
     The loop is inlined once more for the usual (op, codec) pair with constant arguments, so
     the compiler drops the per-element dispatch.
     """
     if op == OP_ADD and codec == VAL_ZIGZAG:
-        return _gap_loop(dst, gaps, OP_ADD, VAL_ZIGZAG, vals, count, mask, undo_pos, undo_val)
-    return _gap_loop(dst, gaps, op, codec, vals, count, mask, undo_pos, undo_val)
+        return _gap_loop(dst, gaps, OP_ADD, VAL_ZIGZAG, vals, count, mask, undo_pos, undo_val,
+                         first, dnew, dold)
+    return _gap_loop(dst, gaps, op, codec, vals, count, mask, undo_pos, undo_val, first, dnew, dold)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def apply_positions(dst, pos, op, codec, vals, count, mask, undo_pos, undo_val):
+def apply_positions(dst, pos, op, codec, vals, count, mask, undo_pos, undo_val, first=0,
+                    dnew=None, dold=None):
     """Apply values at an already decoded, strictly increasing position array (see apply_gap_stream)."""
     n = dst.shape[0]
+    f1 = np.uint64(first) + _U1
+    n0 = n1 = o0 = o1 = _ZERO
     width = dst.itemsize
     vi = 0
     vend = vals.shape[0]
@@ -297,10 +338,50 @@ def apply_positions(dst, pos, op, codec, vals, count, mask, undo_pos, undo_val):
         o = dst[p]
         undo_pos[t] = p
         undo_val[t] = o
-        dst[p] = _combine(np.uint64(o), z, op, mask)
+        w = _combine(np.uint64(o), z, op, mask)
+        dst[p] = w
+        if dnew is not None:
+            n0, n1 = _fold(n0, n1, f1 + np.uint64(p), w)
+        if dold is not None:
+            o0, o1 = _fold(o0, o1, f1 + np.uint64(p), np.uint64(o))
     if vi != vend:
         return TRAILING_BYTES, count
+    if dnew is not None:
+        _store(dnew, n0, n1)
+    if dold is not None:
+        _store(dold, o0, o1)
     return count, count
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def copy_words(dst, src, undo, first, dnew, dold):
+    """Dense apply: dst[:] = src, saving the old words into `undo` (or None: nothing to keep).
+
+    One pass that also folds the digest lanes of the new / old words into dnew / dold (None to
+    skip), as the sparse apply kernels do; dst[0] is canonical element `first`.
+    """
+    f1 = np.uint64(first) + _U1
+    k0 = f1 * K0  # Weyl sequences: one add per element along the run
+    k1 = f1 * K1
+    n0 = n1 = o0 = o1 = _ZERO
+    for j in range(dst.shape[0]):
+        o = dst[j]
+        w = src[j]
+        if undo is not None:
+            undo[j] = o
+        dst[j] = w
+        if dnew is not None:
+            n0 += mix0(k0, np.uint64(w))
+            n1 += mix1(k1, np.uint64(w))
+        if dold is not None:
+            o0 += mix0(k0, np.uint64(o))
+            o1 += mix1(k1, np.uint64(o))
+        k0 += K0
+        k1 += K1
+    if dnew is not None:
+        _store(dnew, n0, n1)
+    if dold is not None:
+        _store(dold, o0, o1)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -429,7 +510,7 @@ def _group_cursors(n, gmask, gkeys, gcounts, gaps):
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def apply_group_stream(dst, shift, gmask, gkeys, gcounts, gaps, op, codec, vals, count, mask,
-                       undo_pos, undo_val):
+                       undo_pos, undo_val, first=0, dnew=None, dold=None):
     """Fused decode + apply of an exponent-grouped segment into dst, in place.
 
     gkeys/gcounts: the parsed group table (keys distinct and < gmask+1, counts summing to
@@ -449,6 +530,8 @@ def apply_group_stream(dst, shift, gmask, gkeys, gcounts, gaps, op, codec, vals,
     vi = 0
     vend = vals.shape[0]
     t = 0
+    f1 = np.uint64(first) + _U1
+    n0 = n1 = o0 = o1 = _ZERO
     for p in range(n):
         e = (np.uint64(dst[p]) >> sh) & gmask
         s = skip[e]
@@ -463,7 +546,12 @@ def apply_group_stream(dst, shift, gmask, gkeys, gcounts, gaps, op, codec, vals,
         o = dst[p]
         undo_pos[t] = p
         undo_val[t] = o
-        dst[p] = _combine(np.uint64(o), z, op, mask)
+        w = _combine(np.uint64(o), z, op, mask)
+        dst[p] = w
+        if dnew is not None:
+            n0, n1 = _fold(n0, n1, f1 + np.uint64(p), w)
+        if dold is not None:
+            o0, o1 = _fold(o0, o1, f1 + np.uint64(p), np.uint64(o))
         t += 1
         left[e] -= 1
         if left[e] > 0:
@@ -475,6 +563,10 @@ def apply_group_stream(dst, shift, gmask, gkeys, gcounts, gaps, op, codec, vals,
         return POSITION_OUT_OF_RANGE, t
     if vi != vend:
         return TRAILING_BYTES, t
+    if dnew is not None:
+        _store(dnew, n0, n1)
+    if dold is not None:
+        _store(dold, o0, o1)
     return t, t
 
 

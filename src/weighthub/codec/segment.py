@@ -19,7 +19,13 @@ from enum import IntEnum
 import numpy as np
 
 from ..errors import FormatError, UnknownCodecError
-from ..tensors import DType
+from ..tensors import (
+    DType,
+    digest_affine,
+    digest_change,
+    digest_rewritten,
+    digest_sub,
+)
 from . import kernels as K
 
 
@@ -254,11 +260,40 @@ def encode_segment(old: np.ndarray | None, new: np.ndarray, dtype: DType, *, ten
     """
     if old is None:
         return _dense_segment(tensor, start, new)
-    n = new.size
+    return _encode(old, new, dtype, tensor, start, policy, _scan(old, new, _scan_limit(new.size)))
+
+
+def encode_segment_tracked(old: np.ndarray | None, new: np.ndarray, dtype: DType, *, tensor: int,
+                           start: int, policy: EncodePolicy = DEFAULT_POLICY
+                           ) -> tuple[Segment | None, bytes]:
+    """encode_segment, plus how the segment changes its tensor's digest (spec §4).
+
+    The change is Σ mix(i, new) − mix(i, old) over the changed elements, taken from the scan's
+    compacted changes, so it costs O(changed) whatever op is chosen; with no base it is the
+    digest of the new range (a full version starts from nothing). Only when nearly every word
+    changed (the scan gives up) is it the difference of the two ranges' digests.
+    """
+    if old is None:
+        return _dense_segment(tensor, start, new), digest_affine(new, start, (1,), threads=1)
+    ch = _scan(old, new, _scan_limit(new.size))
+    if ch is None:
+        change = digest_sub(digest_affine(new, start, (1,), threads=1),
+                            digest_affine(old, start, (1,), threads=1))
+    else:
+        change = digest_change(ch.pos, ch.old, ch.new, first=start)
+    return _encode(old, new, dtype, tensor, start, policy, ch), change
+
+
+def _scan_limit(n: int) -> int:
     # Even at 50% changed a bitmap + small differences is far below dense (~0.2 vs 0.78 of the
     # bf16 bytes, measured at lr 1e-4), so only give up on the delta when nearly every word
     # changed; the limit also bounds the scan's buffers (12 bytes per changed element).
-    ch = _scan(old, new, n - n // 16)
+    return n - n // 16
+
+
+def _encode(old: np.ndarray, new: np.ndarray, dtype: DType, tensor: int, start: int,
+            policy: EncodePolicy, ch: _Changes | None) -> Segment | None:
+    n = new.size
     if ch is None:  # nearly everything changed
         return _dense_segment(tensor, start, new)
     pos = ch.pos
@@ -289,12 +324,65 @@ def encode_segment(old: np.ndarray | None, new: np.ndarray, dtype: DType, *, ten
                    pos_bytes, val_bytes)
 
 
+def encode_changes(pos: np.ndarray, old: np.ndarray, new: np.ndarray, dtype: DType, *,
+                   tensor: int, start: int, stop: int, dense_numel: int,
+                   policy: EncodePolicy = DEFAULT_POLICY) -> Segment | None:
+    """A sparse segment over [start, stop) from changes already found, or None if dense wins.
+
+    For changes that are not one contiguous range of a tensor, e.g. a trainer rank's column
+    shard: `pos` (int64, strictly increasing, relative to `start`, < stop − start) are the
+    changed elements, `old`/`new` their words. Positions are coded as gaps or a bitmap, never
+    exponent-grouped (grouping ranks every element of [start, stop), which the caller may not
+    hold); values as encode_segment chooses them (xor/add/overwrite by size, under `policy`).
+
+    Args:
+        dense_numel: elements a dense copy of the changes' region would carry; None is returned
+            when the segment would not be smaller than that (the caller writes them densely).
+
+    Raises:
+        ValueError: no changes, or positions/words of different lengths, or outside the range.
+    """
+    n = stop - start
+    if pos.size == 0 or not pos.shape == old.shape == new.shape or pos.ndim != 1:
+        raise ValueError(f"encode_changes: {pos.size} positions, {old.shape} old, {new.shape} new")
+    if int(pos[0]) < 0 or int(pos[-1]) >= n:
+        raise ValueError(f"encode_changes: positions outside [0, {n})")
+    pos = pos.astype(np.int64, copy=False)
+    candidates: list[tuple[float, Positions, np.ndarray]] = []
+    gaps = _encode_gaps(pos)
+    candidates.append((_entropy_bytes(gaps), Positions.GAPS, gaps))
+    if pos.size * 16 > n:
+        bitmask = np.zeros(n, np.bool_)
+        bitmask[pos] = True
+        bitmap = np.packbits(bitmask, bitorder="little")
+        candidates.append((_entropy_bytes(bitmap), Positions.BITMAP, bitmap))
+    pos_est, pos_codec, pos_bytes = min(candidates, key=lambda c: c[0])
+    val_est, op, val_codec, val_bytes = _choose_values(_Changes(pos, old, new), dtype, policy)
+    if pos_est + val_est >= dense_numel * dtype.width * (_DENSE_RATIO if dtype.is_float else 1.0):
+        return None
+    return Segment(tensor, start, stop, op, pos_codec, val_codec, int(pos.size), pos_bytes,
+                   val_bytes)
+
+
 @dataclass(slots=True)
-class _UndoEntry:
+class UndoEntry:
+    """What one apply changed in `dst`: the first `done` (position, old word) pairs, or a copy."""
+
     dst: np.ndarray
     positions: np.ndarray | None  # None: `old` is a copy of the whole of dst
     old: np.ndarray
     done: int
+
+    def digest_change(self, first: int) -> bytes:
+        """How the apply changed the digest of dst (dst[0] is canonical element `first`).
+
+        The new words are read back from dst, so this checks what memory now holds: O(changed)
+        for positions, O(range) for a dense copy.
+        """
+        if self.positions is None:
+            return digest_sub(digest_affine(self.dst, first, (1,), threads=1),
+                              digest_affine(self.old, first, (1,), threads=1))
+        return digest_rewritten(self.dst, self.positions, self.old, self.done, first=first)
 
 
 @dataclass(slots=True)
@@ -305,7 +393,7 @@ class UndoLog:
     is discarded on failure), so dense segments skip the copy of the old bits.
     """
 
-    entries: list[_UndoEntry] = field(default_factory=list)
+    entries: list[UndoEntry] = field(default_factory=list)
     fresh: bool = False
 
     def rollback(self) -> None:
@@ -330,7 +418,8 @@ _STATUS = {
 }
 
 
-def _check(status: int, where: str) -> None:
+def check_status(status: int, where: str) -> None:
+    """Raise FormatError naming `where` for a kernel's negative status."""
     if status < 0:
         raise FormatError(f"{where}: corrupt segment: {_STATUS.get(status, status)}")
 
@@ -385,15 +474,22 @@ def regap_segment(seg: Segment, base: np.ndarray, dtype: DType, where: str) -> S
     pos = np.empty(seg.count, np.int64)
     status = K.decode_group_positions(base, dtype.exponent_shift, np.uint64(dtype.exponent_mask),
                                       keys, counts, seg.pos_bytes[offset:], seg.count, pos)
-    _check(status, where)
+    check_status(status, where)
     return replace(seg, positions=Positions.GAPS, pos_bytes=_encode_gaps(pos))
 
 
-def apply_segment(seg: Segment, dst: np.ndarray, dtype: DType, undo: UndoLog, where: str) -> None:
+def apply_segment(seg: Segment, dst: np.ndarray, dtype: DType, undo: UndoLog,
+                  where: str, *, dnew: np.ndarray | None = None,
+                  dold: np.ndarray | None = None) -> UndoEntry | None:
     """Apply a segment in place to dst (the bits of exactly [seg.start, seg.stop)).
 
     Every element changed is recorded in `undo` before a FormatError (corrupt streams) is
-    raised, so the caller's rollback restores dst exactly.
+    raised, so the caller's rollback restores dst exactly. Returns the entry recorded (None for
+    a dense segment into a fresh destination, which records nothing).
+
+    dnew / dold (uint64[2] or None): on success, the digest lanes (format/spec.md §4) of the
+    words written / the words they replaced are added to them, computed in the same pass
+    (kernels.py: the words are not read back).
     """
     if dst.size != seg.numel or dst.dtype != dtype.uint:
         raise ValueError(f"{where}: destination {dst.dtype}[{dst.size}] for {seg.numel} elements")
@@ -401,10 +497,18 @@ def apply_segment(seg: Segment, dst: np.ndarray, dtype: DType, undo: UndoLog, wh
         if seg.val_bytes.size != seg.numel * dtype.width:
             raise FormatError(f"{where}: dense segment has {seg.val_bytes.size} bytes, "
                               f"expected {seg.numel * dtype.width}")
-        if not undo.fresh:
-            undo.entries.append(_UndoEntry(dst, None, dst.copy(), 0))
-        np.copyto(dst, seg.val_bytes.view(dtype.uint))
-        return
+        if dnew is None and dold is None:
+            entry = None if undo.fresh else UndoEntry(dst, None, dst.copy(), 0)
+            if entry is not None:
+                undo.entries.append(entry)
+            np.copyto(dst, seg.val_bytes.view(dtype.uint))
+            return entry
+        entry = None if undo.fresh else UndoEntry(dst, None, np.empty_like(dst), 0)
+        if entry is not None:
+            undo.entries.append(entry)
+        K.copy_words(dst, seg.val_bytes.view(dtype.uint), None if entry is None else entry.old,
+                     seg.start, dnew, dold)
+        return entry
     if not 0 <= seg.count <= seg.numel:
         raise FormatError(f"{where}: {seg.count} changes in a range of {seg.numel} elements")
     mask, _ = _width_masks(dtype)
@@ -412,13 +516,14 @@ def apply_segment(seg: Segment, dst: np.ndarray, dtype: DType, undo: UndoLog, wh
     undo_val = np.empty(seg.count, dtype.uint)
     if seg.positions == Positions.GAPS:
         status, done = K.apply_gap_stream(dst, seg.pos_bytes, int(seg.op), int(seg.values),
-                                          seg.val_bytes, seg.count, mask, undo_pos, undo_val)
+                                          seg.val_bytes, seg.count, mask, undo_pos, undo_val,
+                                          seg.start, dnew, dold)
     elif seg.positions == Positions.GROUPS:
         keys, counts, offset = _group_table(seg, dtype, where)
         status, done = K.apply_group_stream(
             dst, dtype.exponent_shift, np.uint64(dtype.exponent_mask), keys, counts,
             seg.pos_bytes[offset:], int(seg.op), int(seg.values), seg.val_bytes, seg.count, mask,
-            undo_pos, undo_val)
+            undo_pos, undo_val, seg.start, dnew, dold)
     else:
         if seg.positions == Positions.BITMAP:
             if seg.pos_bytes.size != math.ceil(seg.numel / 8):
@@ -432,6 +537,9 @@ def apply_segment(seg: Segment, dst: np.ndarray, dtype: DType, undo: UndoLog, wh
         else:
             raise FormatError(f"{where}: positions {seg.positions.name} with op {seg.op.name}")
         status, done = K.apply_positions(dst, pos, int(seg.op), int(seg.values), seg.val_bytes,
-                                         seg.count, mask, undo_pos, undo_val)
-    undo.entries.append(_UndoEntry(dst, undo_pos, undo_val, done))
-    _check(status, where)
+                                         seg.count, mask, undo_pos, undo_val, seg.start, dnew,
+                                         dold)
+    entry = UndoEntry(dst, undo_pos, undo_val, done)
+    undo.entries.append(entry)
+    check_status(status, where)
+    return entry

@@ -2,21 +2,26 @@
 
 A manifest is JSON (msgspec), human-readable with `weighthub inspect`. Writing the primary
 manifest of version v create-only *is* the commit of v. Parsing validates every field, every
-cross-reference (tensor indices, coverage ranges) and every limit before the manifest is used.
+cross-reference (tensor indices, coverage ranges and boxes) and every limit before the manifest
+is used.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 import re
 
 import msgspec
+import numpy as np
 
 from ..errors import FormatError, FormatVersionError, LimitError, UnknownCodecError
 from ..tensors import TensorSpec, dtype_named
 
-MANIFEST_FORMAT = 1
+# 2: linear tensor digests (spec §4) and SHA-256 chunk checksums; 1 (xxh3-128 for both) is refused
+MANIFEST_FORMAT = 2
+CHUNK_CHECKSUM = "sha256"  # the chunk checksum's algorithm in this format (named in errors)
 KIND = "weighthub.manifest"
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_TENSORS = 1 << 20
@@ -25,13 +30,23 @@ MAX_DIMS = 16
 MAX_ELEMENTS = 1 << 48
 _KEY_RE = re.compile(r"^[A-Za-z0-9._/\-]{1,512}$")
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def chunk_checksum(frame: bytes | memoryview) -> str:
+    """The manifest's checksum of a chunk frame: SHA-256, lowercase hex.
+
+    Cryptographic because chunks may come from untrusted peers: the manifest (from the store)
+    is what binds them. hashlib releases the GIL, so fetch threads check in parallel.
+    """
+    return hashlib.sha256(frame).hexdigest()
 
 
 class TensorEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str
     dtype: str
     shape: list[int]
-    digest: str  # xxh3-128 hex of the canonical bytes at this version
+    digest: str  # linear digest (spec §4) of the canonical bits at this version, 32 hex digits
     changed: int = 0  # elements that differ from the base (numel for a full version)
     ops: list[str] = []  # "op/positions/values" used by this tensor's segments
 
@@ -39,11 +54,15 @@ class TensorEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return TensorSpec(self.name, dtype_named(self.dtype), tuple(self.shape))
 
 
-class ChunkRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class ChunkRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     key: str  # store key, relative to the store root
     size: int  # bytes of the chunk frame
-    checksum: str  # xxh3-128 hex of the chunk frame
+    checksum: str  # SHA-256 hex of the chunk frame (chunk_checksum)
     covers: list[tuple[int, int, int]]  # (tensor index, start, stop): element ranges it owns
+    # (tensor index, offset, shape): n-D blocks it owns (part of a trainer rank's strided
+    # shard); a tensor is covered by ranges or by boxes, never both. Omitted when empty, so
+    # box-free manifests are byte-identical to those written before boxes existed.
+    boxes: list[tuple[int, list[int], list[int]]] = []
 
 
 class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -87,8 +106,14 @@ def decode_manifest(buf: bytes, *, where: str) -> Manifest:
         raise FormatError(f"{where}: manifest is not valid JSON: {exc}") from exc
     if not isinstance(head, dict) or head.get("kind") != KIND:
         raise FormatError(f"{where}: not a weighthub manifest")
-    if head.get("format") != MANIFEST_FORMAT:
-        raise FormatVersionError(f"{where}: manifest format {head.get('format')!r}; this build "
+    fmt = head.get("format")
+    if fmt != MANIFEST_FORMAT:
+        if type(fmt) is int and fmt < MANIFEST_FORMAT:
+            raise FormatVersionError(
+                f"{where}: manifest format {fmt} was written by an older weighthub (different "
+                f"digests and checksums); this build reads {MANIFEST_FORMAT}: publish afresh into "
+                "a new store, or read it with the weighthub that wrote it")
+        raise FormatVersionError(f"{where}: manifest format {fmt!r}; this build "
                                  f"reads {MANIFEST_FORMAT}: upgrade weighthub")
     try:
         m = msgspec.json.decode(buf, type=Manifest)
@@ -132,13 +157,19 @@ def _validate(m: Manifest, where: str) -> None:
         if not _KEY_RE.match(c.key) or {"", ".", ".."} & set(c.key.split("/")) or c.key in keys:
             raise FormatError(f"{where}: bad or repeated chunk key {c.key!r}")
         keys.add(c.key)
-        if c.size <= 0 or not _HEX32.match(c.checksum):
+        if c.size <= 0 or not _HEX64.match(c.checksum):
             raise FormatError(f"{where}: chunk {c.key!r} has bad size or checksum")
         for ti, start, stop in c.covers:
             if not 0 <= ti < len(numels) or not 0 <= start < stop <= numels[ti]:
                 raise FormatError(f"{where}: chunk {c.key!r} covers bad range "
                                   f"({ti}, {start}, {stop})")
             covered[ti] += stop - start
+        for ti, offset, shape in c.boxes:
+            if not 0 <= ti < len(numels) or not _box_fits(offset, shape, m.tensors[ti].shape):
+                raise FormatError(f"{where}: chunk {c.key!r} covers bad box ({ti}, offset "
+                                  f"{offset}, shape {shape}): it must have the tensor's rank, "
+                                  "no empty dim, and lie inside the tensor")
+            covered[ti] += math.prod(shape)
     # coverage must tile every tensor exactly once (overlaps would double-apply)
     for ti, (have, numel) in enumerate(zip(covered, numels, strict=True)):
         if have != numel:
@@ -147,8 +178,50 @@ def _validate(m: Manifest, where: str) -> None:
     _check_no_overlap(m, where)
 
 
+def _box_fits(offset: list[int], shape: list[int], tensor: list[int]) -> bool:
+    return (len(offset) == len(shape) == len(tensor) and all(s > 0 for s in shape)
+            and all(o >= 0 and o + s <= n for o, s, n in zip(offset, shape, tensor, strict=True)))
+
+
 def _check_no_overlap(m: Manifest, where: str) -> None:
     ranges = sorted((ti, start, stop) for c in m.chunks for ti, start, stop in c.covers)
     for (t0, _s0, e0), (t1, s1, _e1) in itertools.pairwise(ranges):
         if t0 == t1 and s1 < e0:
             raise FormatError(f"{where}: chunk coverage overlaps in tensor {m.tensors[t0].name!r}")
+    boxes: dict[int, list[tuple[list[int], list[int]]]] = {}
+    for c in m.chunks:
+        for ti, offset, shape in c.boxes:
+            boxes.setdefault(ti, []).append((offset, shape))
+    mixed = set(boxes) & {ti for ti, _a, _b in ranges}
+    if mixed:
+        raise FormatError(f"{where}: tensor {m.tensors[min(mixed)].name!r} is covered by both "
+                          "ranges and boxes; a tensor is covered by one kind only")
+    for ti, group in boxes.items():
+        _check_boxes_disjoint(group, m.tensors[ti].name, where)
+
+
+def _check_boxes_disjoint(group: list[tuple[list[int], list[int]]], name: str, where: str) -> None:
+    """No two boxes of one tensor overlap (their volumes were already checked to add up).
+
+    A sweep along the dim with the most distinct offsets: a box is compared only with the boxes
+    that start inside its extent along that dim, vectorized (a trainer's boxes meet few others;
+    a hostile manifest costs numpy work, not Python loops per pair).
+    """
+    if len(group) < 2 or not group[0][0]:
+        return  # a 0-d tensor has one element: the volume check allows a single box
+    lo = np.asarray([o for o, _s in group], np.int64)
+    hi = lo + np.asarray([s for _o, s in group], np.int64)
+    d = max(range(lo.shape[1]), key=lambda j: np.unique(lo[:, j]).size)
+    order = np.argsort(lo[:, d], kind="stable")
+    lo, hi = lo[order], hi[order]
+    ends = np.searchsorted(lo[:, d], hi[:, d], side="left")  # boxes starting before i's end
+    for i in range(len(group) - 1):
+        if ends[i] <= i + 1:
+            continue
+        meet = np.all((np.maximum(lo[i + 1:ends[i]], lo[i]) < np.minimum(hi[i + 1:ends[i]], hi[i])),
+                      axis=1)
+        if meet.any():
+            j = i + 1 + int(np.argmax(meet))
+            raise FormatError(f"{where}: chunk boxes at offset {lo[i].tolist()} shape "
+                              f"{(hi[i] - lo[i]).tolist()} and offset {lo[j].tolist()} shape "
+                              f"{(hi[j] - lo[j]).tolist()} overlap in tensor {name!r}")

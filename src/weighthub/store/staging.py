@@ -13,7 +13,7 @@ meanwhile block on the same lock (bounded by `lock_timeout`), then find the file
 A holder that dies releases its lock with its file descriptors, so nobody waits for a corpse.
 If the wait times out the waiter fetches for itself (correct, just not deduplicated).
 
-Trust: the cache is a copy of bytes whose size and xxh3 the receiver checks against the manifest
+Trust: the cache is a copy of bytes whose size and SHA-256 the receiver checks against the manifest
 on every read, so a corrupt cached file is caught there (ChecksumError), never applied.
 
 Size: after each insertion, if the cache holds more than `max_bytes`, whole versions are

@@ -2,8 +2,9 @@
 
 A receiver that keeps fp32 master copies replays the step with the very function the trainer
 used (`projection.apply_low_rank`, fixed-order elementwise fp32 ops), so its masters stay
-bit-identical to the trainer's; per-tensor xxh3-128 digests (before and after) bind the payload
-to its base and prove the result. Receivers without fp32 masters use the normal bf16 delta refit.
+bit-identical to the trainer's; per-tensor digests (`tensors.tensor_digest`, before and after)
+bind the payload to its base and prove the result. Receivers without fp32 masters use the
+normal bf16 delta refit.
 
 Frame (little-endian), parsed and validated before any allocation:
 
