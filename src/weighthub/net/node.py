@@ -1,0 +1,432 @@
+"""`weighthub serve node`: a rollout worker's daemon that follows versions and serves what it holds.
+
+One node = one target (a safetensors file/directory, or an in-memory state dict) kept at the
+latest committed version, and one ChunkServer that makes it a source for others:
+
+    register   with the hub as a subscribed holder (its chunk server's address and topology
+               labels) that serves dense reads; a heartbeat thread renews the lease and reports
+               the versions it serves
+    follow     a relayed manifest (the publisher pushes it down the relay tree after the
+               commit) wakes the node at once; otherwise it polls the hub's latest version every
+               `poll_s` (a slow fallback: nodes outside the tree, a missed push, a dead hub), or
+               the store's listing when the hub does not answer. A relayed manifest is used only
+               if it hashes to the SHA-256 the hub recorded for that version: then a one-step
+               refit reads nothing from the store (`PeerStore.trusted_route`)
+    sync       no weights yet: elastic join, the version's dense bits striped over the nearest
+               holders (`join`), else from the store; then each new version through a Receiver
+               over a PeerStore: local cache (chunks a relay parent pushed) -> holders ranked
+               by the hub -> the store. All or nothing: a failed sync leaves the previous
+               committed version in place and is reported (event "error"), then retried
+    relay      pushed chunks are forwarded cut-through to the children the publisher's push
+               names (the hub's relay tree) and staged in the cache by the ChunkServer
+    serve      chunks of every version it fetched or was pushed, until the hub releases the
+               version; dense ranges of the version it holds, under read leases: its next
+               apply waits (bounded) until readers finish, so it never changes bits a reader
+               is reading (`leases`)
+
+Events (`on_event`; the CLI prints them, one JSON object per line with --json): "listening",
+"synced" {version, root, how: join|delta|store, seconds, bytes, stats}, "error" {version,
+held, error}, "released" {versions}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import catalog
+from ..errors import NetError, NoSyncPath, UsageError, VersionNotFound, WeighthubError
+from ..receive import Receiver, SyncResult
+from ..store import LocalStore, Store, open_store
+from ..targets.base import Target
+from .auth import load_secret
+from .client import Timeouts
+from .hubclient import HubClient
+from .join import join_from_holders
+from .leases import LeasedTarget, ReadLeases
+from .peerstore import PeerStore, relayed_manifest
+from .server import ChunkServer, key_version
+from .topology import Labels
+
+log = logging.getLogger(__name__)
+MEMORY_TARGET = "memory://"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """How a node runs. `timeout` bounds every hub call and every peer request's socket wait
+    (a whole peer request: 2 × timeout)."""
+
+    node_id: str
+    labels: Labels = field(default_factory=Labels)
+    timeout: float = 10.0
+    poll_s: float = 2.0  # fallback: a relayed manifest wakes the node at once
+    stripes: int = 4  # holders (and parallel reads) an elastic join stripes across
+    host: str = "127.0.0.1"
+    port: int = 0
+    lease_wait_s: float = 30.0  # longest an apply waits for dense readers
+
+    def __post_init__(self) -> None:
+        if not self.node_id:
+            raise UsageError("node id must not be empty")
+        if not 0 < self.timeout <= 3600 or not 0 < self.poll_s <= 3600:
+            raise UsageError(f"--timeout and --poll must be in (0, 3600] seconds, got "
+                             f"{self.timeout}, {self.poll_s}")
+        if not 1 <= self.stripes <= 64:
+            raise UsageError(f"--fanout (join stripes) must be in 1..64, got {self.stripes}")
+
+    @property
+    def peer_timeouts(self) -> Timeouts:
+        return Timeouts(connect=min(2.0, self.timeout), io=self.timeout, deadline=2 * self.timeout)
+
+
+class Node:
+    """See the module docstring. `start()`, then it runs until `stop()`.
+
+    Args:
+        backing: the object store versions are committed to.
+        target: where the weights live (empty or holding a committed version).
+        secret: the shared secret (hub and chunk servers).
+        config: see NodeConfig.
+        hub: the hub client (None: follow the store alone, serve without being ranked).
+        cache: where pushed and fetched chunks are kept and served from.
+        on_event: called with each event dict (from the node's threads).
+    """
+
+    def __init__(self, backing: Store, target: Target, secret: bytes, config: NodeConfig, *,
+                 hub: HubClient | None, cache: Store,
+                 on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.backing = backing
+        self.config = config
+        self.hub = hub
+        self.cache = cache
+        self.secret = secret
+        self.on_event = on_event or (lambda _e: None)
+        self.leases = ReadLeases(target, wait_s=config.lease_wait_s)
+        self.target = LeasedTarget(target, self.leases)
+        self.server = ChunkServer(cache, secret, leases=self.leases, host=config.host,
+                                  port=config.port, io_timeout=config.timeout,
+                                  request_timeout=max(60.0, 4 * config.timeout),
+                                  on_push=self._pushed)
+        self.peers = PeerStore(backing, self._sources, secret, cache=cache,
+                               timeouts=config.peer_timeouts, cooldown_s=max(10.0, 3 * config.timeout))
+        self.receiver = Receiver(self.peers, self.target)
+        self.last_error: str | None = None
+        self.pushed = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._hub_down_until = 0.0
+        self._wake = threading.Event()  # set by a relayed manifest
+        self._digests: dict[int, str] = {}  # version -> manifest SHA-256 the hub recorded
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> Node:
+        self.server.start()
+        held = self.target.held()
+        if held is not None:
+            self.server.serve(held.version)
+        if self.hub is not None:
+            self.hub.on_release = self._released
+            try:  # a hub that is down now is retried by the heartbeat (an upsert)
+                self.hub.register(self.config.node_id, self.server.address,
+                                  versions=self.server.versions(), subscribe=True, dense=True)
+            except WeighthubError as exc:
+                log.warning("node %s: hub %s: %s; following the store until it answers",
+                            self.config.node_id, self.hub.address, exc)
+            self.hub.start_heartbeat()
+        self.on_event({"event": "listening", "id": self.config.node_id, "address": self.server.address,
+                       "held": held.version if held else None})
+        self._thread = threading.Thread(target=self._follow, name="node-follow", daemon=True)
+        self._thread.start()
+        return self
+
+    def request_stop(self) -> None:
+        """Ask `wait()` to return (safe from a signal handler)."""
+        self._stop.set()
+        self._wake.set()
+
+    def stop(self) -> None:
+        """Stop following, leave the hub, stop serving. A sync in progress finishes first."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self.hub is not None:
+            self.hub.stop(leave=True)
+        self.server.stop()
+
+    def wait(self) -> None:
+        """Block until `stop()` (from another thread or a signal handler)."""
+        self._stop.wait()
+
+    # -- following ------------------------------------------------------------------------------
+    def _follow(self) -> None:
+        delay = 0.0
+        while True:
+            self._wake.wait(delay)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            delay = self.config.poll_s
+            try:
+                latest = self._latest()
+            except WeighthubError as exc:
+                log.warning("node %s: cannot learn the latest version: %s", self.config.node_id, exc)
+                delay = min(5.0, 4 * self.config.poll_s)
+                continue
+            held = self.target.held()
+            if latest is None or (held is not None and held.version >= latest):
+                continue
+            if not self.sync_to(latest):
+                delay = min(5.0, 4 * self.config.poll_s)  # retried: the next poll tries again
+
+    def _latest(self) -> int | None:
+        """The hub's latest version (and its manifest digest); the store's when the hub fails."""
+        if self._hub_up():
+            try:
+                record = self.hub.latest_record()  # type: ignore[union-attr]
+                if record is not None:
+                    version = int(record["version"])
+                    if isinstance(record.get("manifest_sha256"), str):
+                        self._digests = {version: record["manifest_sha256"]}
+                    return version
+            except NetError as exc:
+                self._hub_failed(exc)
+        return catalog.latest_version(self.backing)
+
+    def _relayed(self, version: int) -> bytes | None:
+        return relayed_manifest(self.cache, version, self._digests.get(version),
+                                where=f"node {self.config.node_id}")
+
+    def _delta(self, version: int, held: int) -> SyncResult:
+        """A Receiver sync: from the relayed manifest when it is one step from `held`, else the store."""
+        raw = self._relayed(version)
+        if raw is not None:
+            try:
+                with self.peers.trusted_route({version: raw}):
+                    return self.receiver.sync(version)
+            except (NoSyncPath, VersionNotFound) as exc:  # not a delta from `held`: the store's route
+                log.info("node %s: relayed manifest of %d is no step from %d (%s); using the store",
+                         self.config.node_id, version, held, exc)
+        return self.receiver.sync(version)
+
+    def _hub_up(self) -> bool:
+        return self.hub is not None and time.monotonic() >= self._hub_down_until
+
+    def _hub_failed(self, exc: WeighthubError) -> None:
+        """Skip the hub for a while: a dead or silent hub costs one timeout per period, not per call."""
+        if isinstance(exc, NetError):
+            self._hub_down_until = time.monotonic() + max(5.0, 2 * self.config.timeout)
+        log.warning("node %s: hub failed (%s); using the store %s meanwhile",
+                    self.config.node_id, exc, self.backing.url)
+
+    def sync_to(self, version: int) -> bool:
+        """Bring the target to `version` (see module docstring). False (and an event) on failure."""
+        held = self.target.held()
+        t0 = time.perf_counter()
+        before = asdict(self.peers.stats)
+        try:
+            if held is None:
+                how, nbytes, served, extra = self._join(version)
+            else:
+                result = self._delta(version, held.version)
+                how, nbytes, extra = "delta", result.bytes_fetched, {"pause_s": result.pause_seconds}
+                served = {key_version(k) for k in result.route}
+        except WeighthubError as exc:
+            now = self.target.held()
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            log.error("node %s: sync to version %d failed, still at %s: %s", self.config.node_id,
+                      version, now.version if now else "nothing", self.last_error)
+            self.on_event({"event": "error", "version": version,
+                           "held": now.version if now else None, "error": self.last_error})
+            return False
+        self.last_error = None
+        for v in served | {version}:
+            self.server.serve(v)
+        self._tell_hub()
+        stats = {k: v - before[k] for k, v in asdict(self.peers.stats).items()}
+        now = self.target.held()
+        self.on_event({"event": "synced", "version": version, "root": now.root if now else None,
+                       "from": held.version if held else None, "how": how, "bytes": nbytes,
+                       "seconds": round(time.perf_counter() - t0, 4), "stats": stats,
+                       "pushed": self.pushed, **extra})
+        return True
+
+    def _join(self, version: int) -> tuple[str, int, set[int], dict[str, Any]]:
+        """Elastic join from holders' dense bits; the store's route if that is not possible."""
+        holders = self._holders(version)
+        if holders:
+            try:
+                r = join_from_holders(self.target, self.peers, version, holders, self.secret,
+                                      stripes=self.config.stripes, timeouts=self.config.peer_timeouts)
+                return "join", r.bytes, set(), {"by_holder": r.bytes_by_holder, "excluded": r.excluded}
+            except WeighthubError as exc:
+                log.warning("node %s: join of version %d from holders failed (%s); using the store "
+                            "route", self.config.node_id, version, exc)
+        result = self.receiver.sync(version)
+        return "store", result.bytes_fetched, {key_version(k) for k in result.route}, {}
+
+    def _holders(self, version: int) -> list[str]:
+        if not self._hub_up():
+            return []
+        try:
+            found = self.hub.sources(f"{catalog.version_dir(version)}/dense", version,  # type: ignore[union-attr]
+                                     dense=True)
+        except WeighthubError as exc:
+            self._hub_failed(exc)
+            return []
+        return [a for a in found if a != self.server.address][: 2 * self.config.stripes]
+
+    def _sources(self, key: str) -> list[str]:
+        if self.hub is None:
+            return []
+        return [a for a in self.hub.peer_sources(key) if a != self.server.address]
+
+    # -- holder bookkeeping ---------------------------------------------------------------------
+    def _pushed(self, key: str, failed: list[str]) -> None:
+        self.pushed += 1  # on the server's event loop: counting only; the heartbeat says the rest
+        if self.hub is not None:
+            self.hub.set_versions(self.server.versions())
+        if key.endswith(f"/{catalog.PRIMARY}"):
+            self._wake.set()  # a relayed manifest: the version is committed, sync now
+
+    def _tell_hub(self) -> None:
+        if self.hub is None:
+            return
+        hub = self.hub
+        hub.set_versions(self.server.versions())
+        if not self._hub_up():
+            return  # the heartbeat thread tells it when it is back
+
+        def beat() -> None:  # now rather than at the next beat, so newcomers find this holder
+            try:
+                hub.heartbeat()
+            except WeighthubError as exc:
+                self._hub_failed(exc)
+        threading.Thread(target=beat, name="node-beat", daemon=True).start()
+
+    def _released(self, versions: list[int]) -> None:
+        """The hub released these versions: stop serving them and drop their cached chunks."""
+        held = self.target.held()
+        drop = [v for v in versions if held is None or v != held.version]
+        for v in drop:
+            self.server.release(v)
+            _delete_tree(self.cache, catalog.version_dir(v))
+        if drop and self.hub is not None:
+            self.hub.set_versions(self.server.versions())
+            self.on_event({"event": "released", "versions": drop})
+
+
+def _delete_tree(store: Store, prefix: str) -> None:
+    try:
+        for name in store.children(prefix):
+            key = f"{prefix}/{name}"
+            if store.children(key):
+                _delete_tree(store, key)
+            else:
+                store.delete(key)
+    except WeighthubError as exc:  # a cache we cannot clean only costs space
+        log.warning("could not drop %s from the node cache: %s", prefix, exc)
+
+
+# -- command line -------------------------------------------------------------------------------
+def parse_labels(text: str) -> Labels:
+    """'region=a,zone=z1,host=h1' -> Labels. Raises UsageError."""
+    doc: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        if not sep:
+            raise UsageError(f"--labels: {part!r} is not name=value (e.g. region=a,zone=z1,host=h1)")
+        doc[name.strip()] = value.strip()
+    return Labels.from_dict(doc, where="--labels")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `weighthub serve node`."""
+    p.add_argument("store", help="store directory, file:// URI or s3://BUCKET/PREFIX")
+    p.add_argument("out", help="target: a path ending in .safetensors, a directory, or memory:// "
+                              "(an in-memory state dict, for tests and benchmarks)")
+    p.add_argument("--hub", default=None, metavar="HOST:PORT",
+                   help="the hub (`weighthub serve hub`); without it the node follows the store")
+    p.add_argument("--secret-file", default=None, metavar="F",
+                   help="shared secret (default: $WEIGHTHUB_SECRET)")
+    p.add_argument("--labels", default="", metavar="L",
+                   help="where this node runs: region=R,zone=Z,host=H (ranks sources, plans relays)")
+    p.add_argument("--id", default=None, help="holder id (default: HOSTNAME:PID)")
+    p.add_argument("--host", default="127.0.0.1", help="chunk server address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="chunk server port (default: a free one)")
+    p.add_argument("--fanout", type=int, default=4, metavar="D",
+                   help="holders an elastic join stripes its reads across (default 4)")
+    p.add_argument("--timeout", type=float, default=10.0, metavar="S",
+                   help="seconds for each hub call and each peer socket wait (default 10)")
+    p.add_argument("--poll", type=float, default=2.0, metavar="S",
+                   help="how often the hub is asked for the latest version (default 2); a relayed "
+                        "manifest wakes the node at once, so this is the fallback")
+    p.add_argument("--cache", default=None, metavar="DIR",
+                   help="chunk cache served to peers (default: next to OUT, or a temp dir)")
+    p.add_argument("--endpoint-url", default=None, metavar="URL", help="S3 endpoint for s3:// stores")
+    p.add_argument("--json", action="store_true", help="print events as JSON lines")
+
+
+def _target(out: str) -> tuple[Target, Path | None]:
+    """The target, and the default cache directory next to it (None: in memory, use a temp dir)."""
+    if out.startswith(MEMORY_TARGET):
+        from ..targets import StateDictTarget
+        return StateDictTarget({}), None
+    from ..targets import SafetensorsTarget
+    path = Path(out).expanduser().absolute()
+    return SafetensorsTarget(path), path.with_name(f".{path.name}.weighthub-cache")
+
+
+def run_from_args(args: argparse.Namespace) -> None:
+    """`weighthub serve node ARGS`: runs until SIGTERM/SIGINT."""
+    import json
+
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in 0..65535, got {args.port}")
+    labels = parse_labels(args.labels)
+    config = NodeConfig(node_id=args.id or f"{socket.gethostname()}:{os.getpid()}", labels=labels,
+                        timeout=args.timeout, poll_s=args.poll, stripes=args.fanout,
+                        host=args.host, port=args.port)
+    secret = load_secret(args.secret_file)
+    backing = open_store(args.store, **({"endpoint_url": args.endpoint_url} if args.endpoint_url else {}))
+    target, cache_dir = _target(args.out)
+    temp = None
+    if args.cache is not None:
+        cache_dir = Path(args.cache)
+    elif cache_dir is None:
+        temp = cache_dir = Path(tempfile.mkdtemp(prefix="weighthub-node-cache-"))
+    hub = HubClient(args.hub, secret, timeout=config.timeout, labels=labels) if args.hub else None
+    lock = threading.Lock()
+
+    def emit(event: dict[str, Any]) -> None:
+        if args.json:
+            line = json.dumps(event, sort_keys=True)
+        else:
+            line = " ".join(f"{k}={v}" for k, v in event.items() if k not in ("stats", "by_holder"))
+        with lock:
+            print(line, flush=True)
+
+    node = Node(backing, target, secret, config, hub=hub, cache=LocalStore(cache_dir), on_event=emit)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: node.request_stop())
+    node.start()
+    try:
+        node.wait()
+    finally:
+        node.stop()
+        if temp is not None:
+            shutil.rmtree(temp, ignore_errors=True)
+        print("weighthub node stopped", file=sys.stderr, flush=True)
