@@ -51,6 +51,18 @@ def add_parser(sub: Any) -> None:
                            "weighthub vs shardcast (network namespaces; needs root)")
     shaped.add_arguments(sh)
     sh.set_defaults(func=shaped.cmd_shaped)
+    from . import net
+
+    nt = suites.add_parser("net", help="refit via the hub's relay tree vs all from the store, elastic "
+                           "join, a relay killed mid-refit; bytes over a tc-shaped region link (root)")
+    net.add_arguments(nt)
+    nt.set_defaults(func=net.cmd_net)
+    from ..net import bench_transport
+
+    tr = suites.add_parser("transport", help="loopback throughput of one stream of large chunks: "
+                           "aiohttp vs framed TCP vs the weighthub chunk server")
+    bench_transport.add_arguments(tr)
+    tr.set_defaults(func=bench_transport.cmd_transport)
 
 
 def _progress(t0: float) -> runner.Progress:

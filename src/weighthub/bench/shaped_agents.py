@@ -133,14 +133,14 @@ class TrainerAgent:
         return {"source": source, "changed_fraction": change_rate(a, b),
                 "dense_bytes": sum(t.numel() * t.element_size() for t in a.values())}
 
-    def op_build(self, size_mib: int, prefix: str) -> dict[str, Any]:
+    def op_build(self, size_mib: int, prefix: str, encode: str = "compact") -> dict[str, Any]:
         if self.real is None:
             raise AgentError("build: call load_real first (the states are tiles of the real pair)")
         a, b = self.real
         one = sum(t.numel() * t.element_size() for t in a.values())
         copies = max(1, round(size_mib * MiB / one))
         if self.states and len(self.states[0]) == copies * len(a):
-            return self._publish_base(prefix)  # same size as the last scenario: reuse the states
+            return self._publish_base(prefix, encode)  # same size as the last scenario: reuse them
         self.states = []  # free the previous size's states first
         base = tile(a, copies)
         # v0 is `base` with a synthetic 1% step undone, so v0→v1 (published untimed, unshaped)
@@ -149,15 +149,15 @@ class TrainerAgent:
         v3 = synthetic_step(v2, 0.03, seed=1)
         self.states = [synthetic_step(base, 0.01, seed=0), base, v2, v3,
                        synthetic_step(v3, 0.05, seed=2)]
-        return self._publish_base(prefix)
+        return self._publish_base(prefix, encode)
 
-    def _publish_base(self, prefix: str) -> dict[str, Any]:
-        from ..publish import Publisher
+    def _publish_base(self, prefix: str, encode: str) -> dict[str, Any]:
+        from ..publish import ENCODE_PROFILES, Publisher
         from ..store import open_store
 
         self.store = _TimedStore(open_store(f"s3://{BUCKET}/{prefix}/wh"))
         self.full_url = f"s3://{BUCKET}/{prefix}/full"
-        self.publisher = Publisher(self.store)
+        self.publisher = Publisher(self.store, policy=ENCODE_PROFILES[encode])
         r = self.publisher.publish(self.states[0])
         self.publisher.publish(self.states[1])
         return {"dense_bytes": r.dense_bytes, "payload_bytes": r.payload_bytes,
@@ -175,6 +175,8 @@ class TrainerAgent:
             raise UsageError(f"published version {r.version}, expected {version}")
         return {"seconds": r.seconds, "payload_bytes": r.payload_bytes,
                 "changed_fraction": r.changed_fraction, "upload_busy_seconds": self.store.busy,
+                "stream_seconds": r.stream_seconds, "encode_busy_seconds": r.encode_seconds,
+                "overlap": r.overlap,
                 "root": self._manifest_root(version)}
 
     def op_digest(self, version: int) -> dict[str, Any]:
@@ -240,7 +242,8 @@ class ReceiverAgent:
         r = self.receiver.sync(version)
         held = self.target.held()
         return {"seconds": r.seconds, "stage_seconds": r.stage_seconds,
-                "apply_seconds": r.apply_seconds, "bytes_fetched": r.bytes_fetched,
+                "apply_seconds": r.apply_seconds, "pause_seconds": r.pause_seconds,
+                "bytes_fetched": r.bytes_fetched,
                 "root": held.root if held else ""}
 
     def op_digest(self) -> dict[str, Any]:

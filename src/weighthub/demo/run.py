@@ -35,7 +35,7 @@ class ReceiverStep:
     route: list[str] = field(default_factory=list)
     bytes: int = 0
     stage_s: float = 0.0
-    apply_s: float = 0.0
+    pause_s: float = 0.0
     root: str | None = None
     error: str | None = None
 
@@ -166,7 +166,7 @@ def _refit(step: int, loss: float | None, train_s: float, state: dict[str, Any],
             receivers.append(ReceiverStep(
                 w.name, True, reply["root"] == manifest.root and reply["version"] == result.version,
                 reply["version"], reply["route"], reply["bytes"], reply["stage_s"],
-                reply["apply_s"], reply["root"]))
+                reply["pause_s"], reply["root"]))
         else:
             receivers.append(ReceiverStep(w.name, False, False, error=str(reply.get("error"))))
     return StepRecord(step, result.version, result.base, loss, train_s, result.changed_fraction,
@@ -184,7 +184,7 @@ def _fmt_bytes(n: float) -> str:
 
 
 def _print_header(receivers: int) -> None:
-    cols = "  ".join(f"apply r{i}" for i in range(receivers))
+    cols = "  ".join(f"pause r{i}" for i in range(receivers))
     print(f"{'step':>4} {'ver':>3} {'loss':>7} {'train':>6} {'changed':>8} {'payload':>10} "
           f"{'ratio':>7} {'publish':>7}  {cols}  digests")
 
@@ -192,7 +192,7 @@ def _print_header(receivers: int) -> None:
 def _print_step(r: StepRecord) -> None:
     loss = "-" if r.loss is None else f"{r.loss:.4f}"
     changed = "full" if r.base is None else f"{r.changed_fraction:.3%}"
-    applies = "  ".join(f"{x.apply_s:7.3f}s" if x.ok else f"{'error':>8}" for x in r.receivers)
+    applies = "  ".join(f"{x.pause_s:7.3f}s" if x.ok else f"{'error':>8}" for x in r.receivers)
     print(f"{r.step:>4} {r.version:>3} {loss:>7} {r.train_s:5.1f}s {changed:>8} "
           f"{_fmt_bytes(r.payload_bytes):>10} {r.ratio:7.4f} {r.publish_s:6.2f}s  {applies}  "
           f"{'OK' if r.all_matched else 'FAIL'}")
@@ -223,8 +223,8 @@ def _print_summary(records: list[StepRecord], seconds: float, ok: bool) -> None:
              f"{total / dense:.4f}" if dense else "-", ""),
             ("publish", f"{first.publish_s:.2f} s",
              f"{sum(r.publish_s for r in deltas) / n:.2f} s", ""),
-            ("receiver apply (max)", f"{max((x.apply_s for x in first.receivers), default=0):.3f} s",
-             f"{sum(max((x.apply_s for x in r.receivers), default=0) for r in deltas) / n:.3f} s", ""),
+            ("receiver pause (max)", f"{max((x.pause_s for x in first.receivers), default=0):.3f} s",
+             f"{sum(max((x.pause_s for x in r.receivers), default=0) for r in deltas) / n:.3f} s", ""),
         ]
         for label, a, b, c in rows:
             print(f"{label:<24}{a:>14}{b if deltas else '-':>16}{c:>16}")

@@ -5,7 +5,7 @@ speaks a line protocol: on stdin one command per line, on stdout one JSON object
 
     (start)    -> {"ok": true, "ready": true, "pid": ...}   (after a JIT warm-up, ~1 s)
     sync N     -> {"ok": true, "version": N, "from": ..., "route": [...], "bytes": ...,
-                   "stage_s": ..., "apply_s": ..., "root": "<hex>"}
+                   "stage_s": ..., "apply_s": ..., "pause_s": ..., "root": "<hex>"}
                   or {"ok": false, "error": "<type>: <message>"} (the target stays at its
                   previous version: the receiver rolled back)
     quit / EOF -> exits 0
@@ -91,6 +91,7 @@ def serve(store_path: str, commands: IO[str], replies: IO[str]) -> int:
             continue
         reply({"ok": True, "version": r.version, "from": r.from_version, "route": list(r.route),
                "bytes": r.bytes_fetched, "stage_s": r.stage_seconds, "apply_s": r.apply_seconds,
+               "pause_s": r.pause_seconds,
                "root": root})
     return 0
 
