@@ -9,6 +9,11 @@
     commit   the target records the new version; or, on any failure anywhere in apply/verify,
              roll back exactly to the previous committed version and raise
 
+`sync` runs them all under one lock. `stage` and `apply` split them so a serving engine can fetch
+and decode while it serves, and pause only for `apply`: a `Staged` version is tied to the
+version the target held when it was staged, and `apply` refuses it (BaseMismatch, nothing
+touched) if the target has moved since.
+
 Apply, verify and commit are the pause. Tensor digests are linear (format/spec.md §4), so by
 default verification costs O(changed): a tensor's new digest is the held version's digest plus,
 for every element the apply rewrote, mix(new) − mix(old), with the old word from the undo log
@@ -87,12 +92,36 @@ class SyncResult:
 
 
 @dataclass(slots=True)
-class _Staged:
+class _Step:
     manifest: Manifest
     frames: list[ChunkFrame]
     # per chunk, per segment: Σ mix(i, held word) over what it will rewrite, computed while
     # staging (first manifest of the route only; None where not computed)
     olds: list[list[bytes | None]]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Staged:
+    """A version fetched, checked and decoded by `Receiver.stage`; hand it to `Receiver.apply`.
+
+    Tied to `held`, what the target held when it was staged (None: nothing), and to the store
+    it was read from. Opaque beyond the fields below.
+    """
+
+    version: int
+    held: Held | None
+    store: str  # the url of the store it was read from
+    route: tuple[str, ...]  # manifest keys to apply, in order (empty: already at `version`)
+    bytes_fetched: int
+    stage_seconds: float
+    _steps: list[_Step]
+    _held_digests: dict[str, bytes] | None
+    _specs: list[TensorSpec]
+    _current: list[TensorSpec] | None
+
+    @property
+    def from_version(self) -> int | None:
+        return self.held.version if self.held else None
 
 
 class Receiver:
@@ -130,11 +159,39 @@ class Receiver:
         return held.version if held else None
 
     def sync(self, version: int | None = None) -> SyncResult:
-        """Bring the target to `version` (default: the latest committed). See module doc."""
+        """Bring the target to `version` (default: the latest committed): stage, then apply,
+        with no other sync in between. See module doc."""
         with self._sync_lock:
-            return self._sync(version)
+            return self._apply_staged(self._stage_version(version))
 
-    def _sync(self, version: int | None) -> SyncResult:
+    def stage(self, version: int | None = None) -> Staged:
+        """Plan, fetch, check and decode `version` (default: the latest committed) against
+        what the target holds now, touching nothing: the target keeps serving meanwhile.
+
+        Waits for a sync or apply in progress (staging reads the held bits).
+
+        Returns:
+            the staged version, for `apply`.
+        Raises:
+            ObjectNotFound, VersionNotFound, NoSyncPath, ChecksumError, FormatError,
+            ModelMismatch, BaseMismatch: the target is left as it was.
+        """
+        with self._sync_lock:
+            return self._stage_version(version)
+
+    def apply(self, staged: Staged) -> SyncResult:
+        """Bring the target to a staged version: apply, verify, commit (the pause); on any
+        failure roll back to the version held before and raise.
+
+        Raises:
+            BaseMismatch: the target no longer holds the version `staged` was staged against
+                (nothing touched: stage again). UsageError: staged from another store.
+            ApplyError, IntegrityError, ...: as `sync`, rolled back.
+        """
+        with self._sync_lock:
+            return self._apply_staged(staged)
+
+    def _stage_version(self, version: int | None) -> Staged:
         t0 = time.perf_counter()
         if version is None:
             version = catalog.latest_version(self.store)
@@ -142,23 +199,41 @@ class Receiver:
                 raise ObjectNotFound(f"store {self.store.url} holds no committed version yet")
         held = self.target.held()
         if held is not None and held.version == version:
-            return SyncResult(version, version, (), 0, 0.0, 0.0, 0.0, 0.0, time.perf_counter() - t0)
+            return Staged(version, held, self.store.url, (), 0, time.perf_counter() - t0,
+                          [], None, [], None)
         route = catalog.plan(self.store, held.version if held else None, version)
-        staged, fetched = self._stage(route, held)
-        held_digests = self._held_digests(held, staged[0].manifest)
-        specs = staged[-1].manifest.specs()  # O(tensors) checks kept out of the pause
+        steps, fetched = self._stage(route, held)
+        held_digests = self._held_digests(held, steps[0].manifest)
+        specs = steps[-1].manifest.specs()  # O(tensors) checks kept out of the pause
         current = self.target.specs()
         if current is not None:
             check_same_model(specs, current, "the target")
+        return Staged(version, held, self.store.url, tuple(r.key for r in route), fetched,
+                      time.perf_counter() - t0, steps, held_digests, specs, current)
+
+    def _apply_staged(self, staged: Staged) -> SyncResult:
+        if staged.store != self.store.url:
+            raise UsageError(f"version {staged.version} was staged from {staged.store}, but this "
+                             f"receiver reads {self.store.url}: apply it with the receiver that "
+                             "staged it")
+        held = self.target.held()
+        if held != staged.held:
+            raise BaseMismatch(f"version {staged.version} was staged against {_describe(staged.held)}"
+                               f" but the target now holds {_describe(held)}; nothing applied: "
+                               "stage it again")
         t1 = time.perf_counter()
-        with self.lock:
-            apply_s, verify_s = self._apply(held, staged, held_digests, specs, current)
-        t2 = time.perf_counter()
-        return SyncResult(version, held.version if held else None, tuple(r.key for r in route),
-                          fetched, t1 - t0, apply_s, verify_s, t2 - t1, t2 - t0)
+        apply_s = verify_s = 0.0
+        if staged.route:
+            with self.lock:
+                apply_s, verify_s = self._apply(held, staged._steps, staged._held_digests,
+                                                staged._specs, staged._current)
+        pause = time.perf_counter() - t1 if staged.route else 0.0
+        return SyncResult(staged.version, staged.from_version, staged.route, staged.bytes_fetched,
+                          staged.stage_seconds, apply_s, verify_s, pause,
+                          staged.stage_seconds + pause)
 
     # -- stage ----------------------------------------------------------------------------------
-    def _stage(self, route: list[catalog.Rep], held: Held | None) -> tuple[list[_Staged], int]:
+    def _stage(self, route: list[catalog.Rep], held: Held | None) -> tuple[list[_Step], int]:
         manifests = [catalog.read_manifest(self.store, r.key) for r in route]
         jobs = [(mi, ci) for mi, m in enumerate(manifests) for ci in range(len(m.chunks))]
         # The first delta of the route applies to the bits held now: decode its exponent-grouped
@@ -201,7 +276,7 @@ class Receiver:
         it = iter(frames)
         for m in manifests:
             got = [next(it) for _ in m.chunks]
-            staged.append(_Staged(m, [f for f, _o in got], [o for _f, o in got]))
+            staged.append(_Step(m, [f for f, _o in got], [o for _f, o in got]))
         return staged, sum(r.payload_bytes for r in route)
 
     @staticmethod
@@ -244,13 +319,13 @@ class Receiver:
         return digests
 
     # -- apply ----------------------------------------------------------------------------------
-    def _apply(self, held: Held | None, staged: list[_Staged],
+    def _apply(self, held: Held | None, staged: list[_Step],
                held_digests: dict[str, bytes] | None, specs: list[TensorSpec],
                current: list[TensorSpec] | None) -> tuple[float, float]:
         """Apply the route, verify, commit; returns (apply seconds, verify seconds).
 
         specs: the final manifest's tensor table; current: the target's (checked to match
-        before the pause, by _sync).
+        before the pause, by _stage_version).
         """
         final = staged[-1].manifest
         # a target holding nothing is materialized afresh and discarded on failure: no undo copy
@@ -427,6 +502,10 @@ class Receiver:
                                f"claims to hold (root {root[:12]}…): it was modified outside "
                                "weighthub; pull it afresh into an empty path")
         return {n: bytes.fromhex(d) for n, d in digests.items()}
+
+
+def _describe(held: Held | None) -> str:
+    return f"version {held.version} (root {held.root[:12]}…)" if held else "nothing"
 
 
 def _check_disjoint(views: dict[str, np.ndarray], alias: dict[str, str]) -> None:

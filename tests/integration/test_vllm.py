@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from weighthub import catalog
 from weighthub.errors import BaseMismatch, PlacementError
 from weighthub.publish import Publisher
 from weighthub.store import LocalStore
-from weighthub.targets.vllm import EXTENSION, bind, refit
+from weighthub.targets.vllm import EXTENSION, bind, refit, stage
 from weighthub.tensors import bits, digest_bits
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -124,10 +125,20 @@ def test_refits_match_fresh_engine(trainer: dict[str, Any], engine: Any, referen
     bound = bind(engine, store.url)
     assert bound["version"] == 0
     fresh_last = outputs(reference)  # before any reload: a truly fresh engine at v3
-    timings = []
+    timings, walls = [], []
     for v in range(1, VERSIONS):
+        prestage = v == 2  # v2 in two phases: staged (weights untouched), then refit applies it
+        if prestage:
+            before = outputs(engine)
+            s = stage(engine, v)
+            assert (s["version"], s["from_version"]) == (v, v - 1) and s["bytes_fetched"] > 0
+            assert outputs(engine) == before  # staging touched nothing
+        t = time.perf_counter()
         r = refit(engine, v)
-        assert (r["version"], r["from_version"]) == (v, v - 1)
+        walls.append(time.perf_counter() - t)  # the refit RPC: how long the engine stood still
+        assert (r["version"], r["from_version"], r["prestaged"]) == (v, v - 1, prestage)
+        if prestage:
+            assert (r["stage_s"], r["bytes_fetched"]) == (s["stage_s"], s["bytes_fetched"])
         if v < VERSIONS - 1:
             reference.collective_rpc(vllm_model.reload_from_disk, args=(str(ckpts[v]),))
             expect = outputs(reference)
@@ -149,9 +160,10 @@ def test_refits_match_fresh_engine(trainer: dict[str, Any], engine: Any, referen
     full = engine.collective_rpc("weighthub_full_reload")[0]
     print(f"\nfull reload of all tensors: {full['seconds'] * 1e3:.1f} ms ({full['groups']} groups); "
           f"bind-time full reload {bound['full_reload_s'] * 1e3:.1f} ms")
-    for v, r in enumerate(timings, 1):
+    for v, (r, wall) in enumerate(zip(timings, walls, strict=True), 1):
         print(f"v{v}: engine apply {r['engine_s'] * 1e3:.1f} ms, pause {r['pause_s'] * 1e3:.1f} ms, "
-              f"stage {r['stage_s'] * 1e3:.1f} ms, {r['groups']} groups, "
+              f"stage {r['stage_s'] * 1e3:.1f} ms{' (pre-staged)' if r['prestaged'] else ''}, "
+              f"refit RPC {wall * 1e3:.1f} ms, {r['groups']} groups, "
               f"{sum(p == 'xor' for p in r['paths'].values())} xor / "
               f"{sum(p == 'overwrite' for p in r['paths'].values())} overwrite, "
               f"{r['bytes_fetched']} bytes")

@@ -663,3 +663,62 @@ def test_fresh_target_full_then_delta_with_a_dense_segment(store: Store) -> None
     target = StateDictTarget({})
     out = Receiver(store, target).sync(1)
     assert len(out.route) == 2 and same_bits(target.state, state)
+
+
+# --- two phases: stage while serving, apply in the pause -------------------------------------
+
+
+def test_stage_touches_nothing_then_apply_is_bit_exact(at_v1) -> None:
+    store, _pub, states, target, rx = at_v1
+    staged = rx.stage(2)
+    assert (staged.version, staged.from_version, staged.bytes_fetched > 0) == (2, 1, True)
+    _assert_unchanged(target, rx, states)  # staging touched nothing
+    res = rx.apply(staged)
+    assert (res.version, res.from_version, res.route) == (2, 1, staged.route)
+    assert res.stage_seconds == staged.stage_seconds and res.pause_seconds > 0
+    _assert_unchanged(target, rx, states, 2)
+    assert rx.apply(rx.stage(2)).route == ()  # already there
+    fresh = StateDictTarget({})  # a newcomer: the full representation, staged then applied
+    newcomer = Receiver(store, fresh)
+    staged = newcomer.stage()
+    assert fresh.held() is None and fresh.state == {}
+    newcomer.apply(staged)
+    assert newcomer.version == 2 and same_bits(fresh.state, states[2])
+
+
+def test_stale_staged_version_is_refused(at_v1) -> None:
+    _store, pub, states, target, rx = at_v1
+    states.append(step(states[-1], 3))
+    assert pub.publish(states[-1]).version == 3
+    staged = rx.stage(3)  # against v1
+    rx.sync(2)  # the target moves on
+    with pytest.raises(BaseMismatch, match=r"staged against version 1 .* now holds version 2"):
+        rx.apply(staged)
+    _assert_unchanged(target, rx, states, 2)
+    with pytest.raises(UsageError, match="staged from"):  # another store's receiver
+        Receiver(MemoryStore("other"), target).apply(rx.stage(3))
+    _assert_unchanged(target, rx, states, 2)
+    rx.apply(rx.stage(3))
+    _assert_unchanged(target, rx, states, 3)
+
+
+def test_failed_apply_of_a_staged_version_rolls_back(at_v1, monkeypatch: pytest.MonkeyPatch) -> None:
+    _store, _pub, states, target, rx = at_v1
+    staged = rx.stage(2)
+    real = receive_mod.apply_segment
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        if calls["n"] >= 3:
+            raise RuntimeError("device lost")
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(receive_mod, "apply_segment", flaky)
+    with pytest.raises(ApplyError, match="rolled back"):
+        rx.apply(staged)
+    assert calls["n"] == 3
+    _assert_unchanged(target, rx, states)
+    monkeypatch.setattr(receive_mod, "apply_segment", real)
+    rx.apply(staged)  # still staged against what the target holds: it applies
+    _assert_unchanged(target, rx, states, 2)

@@ -6,6 +6,11 @@ Start the engine the way a user would, from the trainer's checkpoint directory, 
     bind(llm, "/stores/policy")        # adopt the store's version whose bits the engine loaded
     refit(llm)                         # latest version: fetch, stage, apply, verify, commit
 
+or in two steps, so that the refit pauses the engine only to apply, verify and commit::
+
+    stage(llm)                         # latest version: fetch, check, decode; weights untouched
+    refit(llm)                         # applies what was staged
+
 Each worker keeps a canonical mirror of the checkpoint (a StateDictTarget) that the Receiver
 brings to the version bit-exactly and verifies by digest. `_EngineTarget` wraps that mirror: at
 commit it pushes the tensors whose digests changed, expanded to whole fused groups, through vLLM's
@@ -13,12 +18,14 @@ own loader (`vllm_engine.EnginePlacement`). If the push fails the Receiver rolls
 and `abort` reloads the touched groups from it, so the engine keeps serving its previous version.
 
 Only small values cross the RPC boundary (a store URL, a version, a dict of results); errors come
-back as {"error": class name, "message": ...} and `bind`/`refit` re-raise them as the same
+back as {"error": class name, "message": ...} and `bind`/`stage`/`refit` re-raise them as the same
 weighthub error class on the driver.
 
 Limitations: ranks of a tensor-parallel group commit independently (no prepare/commit vote
-yet); staging runs inside the RPC, so with the offline `LLM` the engine is paused while chunks
-are fetched too (`stage_s` vs `pause_s` in the result); the mirror costs one host copy of the
+yet); `stage` is itself an RPC that runs on the worker's thread, so the engine does not step
+while it runs either: it moves the fetch out of the refit (schedule it between generate calls,
+e.g. while the trainer is still busy), it does not overlap it with generation; a refit without
+a staged version stages inline (`stage_s` vs `pause_s` in the result); the mirror costs one host copy of the
 canonical model per worker; an exception raised inside vLLM's own layerwise reload may leave
 vLLM's reload bookkeeping half done, which the restore path has not been tested against (the
 restore is tested with a loader that fails between tensors).
@@ -34,7 +41,7 @@ import torch
 
 from .. import catalog, errors
 from ..errors import BaseMismatch, UsageError, WeighthubError
-from ..receive import Receiver
+from ..receive import Receiver, Staged
 from ..store import Store, open_store
 from ..tensors import bits, digest_bits
 from .base import Held
@@ -101,6 +108,7 @@ class WeighthubWorker:
     """
 
     _weighthub: tuple[Receiver, _EngineTarget]
+    _wh_staged: tuple[str | None, Receiver, Staged] | None  # (store_url asked for, by, staged)
 
     # vLLM's Worker provides these; declared for the type checker only
     model_runner: Any
@@ -122,11 +130,21 @@ class WeighthubWorker:
         """
         return _rpc(lambda: self._wh_bind(store_url, version, xor))
 
+    def weighthub_stage(self, version: int | None = None,
+                        store_url: str | None = None) -> dict[str, Any]:
+        """Fetch, check and decode `version` (default: latest) against what the engine holds,
+        leaving its weights untouched; kept for the next `weighthub_refit` (replaces any
+        version staged before). `store_url`: as for `weighthub_refit`."""
+        return _rpc(lambda: self._wh_stage(version, store_url))
+
     def weighthub_refit(self, version: int | None = None,
                         store_url: str | None = None) -> dict[str, Any]:
         """Bring the engine to `version` (default: latest). All or nothing.
 
-        `store_url` reads this refit from another store (a replica of the bound one); the
+        Applies the version `weighthub_stage` staged if it matches (same `store_url`, `version`
+        None or the staged one, the engine still holding what it was staged against), else
+        stages inline; either way the staged version is dropped. `prestaged` in the result says
+        which. `store_url` reads this refit from another store (a replica of the bound one); the
         delta's base must still be exactly what the engine holds (BaseMismatch otherwise).
         """
         return _rpc(lambda: self._wh_refit(version, store_url))
@@ -166,20 +184,40 @@ class WeighthubWorker:
         full_s = time.perf_counter() - t0
         target = _EngineTarget(mirror, placement, store, _digests_of(store, held.version))
         self._weighthub = (Receiver(store, target), target)
+        self._wh_staged = None  # staged against the previous binding's target
         return {"version": held.version, "root": held.root, "full_reload_s": full_s,
                 "xor": sorted(placement.xor_names), "groups": len(set(placement.groups.values()))}
 
-    def _wh_refit(self, version: int | None, store_url: str | None) -> dict[str, Any]:
+    def _wh_receiver(self, store_url: str | None) -> tuple[Receiver, _EngineTarget]:
         receiver, target = self._wh_bound()
         if store_url is not None:
             receiver = Receiver(open_store(store_url), target)
+        return receiver, target
+
+    def _wh_stage(self, version: int | None, store_url: str | None) -> dict[str, Any]:
+        self._wh_staged = None  # a failed stage leaves nothing staged
+        receiver, _target = self._wh_receiver(store_url)
+        staged = receiver.stage(version)
+        self._wh_staged = (store_url, receiver, staged)
+        return {"version": staged.version, "from_version": staged.from_version,
+                "route": list(staged.route), "bytes_fetched": staged.bytes_fetched,
+                "stage_s": staged.stage_seconds}
+
+    def _wh_refit(self, version: int | None, store_url: str | None) -> dict[str, Any]:
+        pending, self._wh_staged = getattr(self, "_wh_staged", None), None
+        receiver, target = self._wh_receiver(store_url)
+        staged = None
+        if pending is not None and pending[0] == store_url \
+                and version in (None, pending[2].version) and pending[2].held == target.held():
+            _url, receiver, staged = pending
         target.store = receiver.store  # the manifest digests come from where the version came
         try:
-            result = receiver.sync(version)
+            result = receiver.apply(staged) if staged is not None else receiver.sync(version)
         finally:
             target.store = self._weighthub[0].store
         report = target.report if result.route else PushReport()
         return {"version": result.version, "from_version": result.from_version,
+                "prestaged": staged is not None,
                 "route": list(result.route), "bytes_fetched": result.bytes_fetched,
                 "stage_s": result.stage_seconds, "pause_s": result.pause_seconds,
                 "mirror_apply_s": result.apply_seconds,
@@ -224,8 +262,15 @@ def bind(llm: Any, store_url: str, version: int | None = None, *, xor: bool = Tr
     return _gather(llm.collective_rpc("weighthub_bind", args=(store_url, version, xor)))
 
 
+def stage(llm: Any, version: int | None = None, *, store_url: str | None = None) -> dict[str, Any]:
+    """Fetch, check and decode `version` (default: latest) on every worker of `llm`, weights
+    untouched, for the next `refit`; returns rank 0's result (`stage_s`, `bytes_fetched`)."""
+    return _gather(llm.collective_rpc("weighthub_stage", args=(version, store_url)))
+
+
 def refit(llm: Any, version: int | None = None, *, store_url: str | None = None) -> dict[str, Any]:
-    """Bring every worker of `llm` to `version` (default: latest); returns rank 0's result."""
+    """Bring every worker of `llm` to `version` (default: latest; or the staged version, if
+    `stage` staged one); returns rank 0's result (`stage_s`, `pause_s`, `prestaged`, ...)."""
     return _gather(llm.collective_rpc("weighthub_refit", args=(version, store_url)))
 
 
