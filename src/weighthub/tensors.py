@@ -310,23 +310,6 @@ def digest_change(index: np.ndarray, old_words: np.ndarray, new_words: np.ndarra
     return _lanes(out)
 
 
-def digest_rewritten(dst: np.ndarray, positions: np.ndarray, old_words: np.ndarray,
-                     count: int, *, first: int = 0) -> bytes:
-    """digest_change of elements rewritten in place: new words read back from `dst`.
-
-    `positions[:count]` (distinct, < len(dst)) and `old_words[:count]` are what an apply kernel
-    recorded in its undo log; dst[0] is canonical element `first`.
-    """
-    if not 0 <= count <= min(positions.size, old_words.size):
-        raise UsageError(f"digest_rewritten: count {count} for {positions.size} positions")
-    out = np.zeros(2, np.uint64)
-    if count:
-        if int(positions[:count].max()) >= dst.size or int(positions[:count].min()) < 0:
-            raise UsageError("digest_rewritten: a position is outside the destination")
-        _kernels().sum_change_at(dst, positions, _as_uint(old_words), count, first, out)
-    return _lanes(out)
-
-
 def root_digest(entries: Iterable[tuple[TensorSpec, bytes]]) -> bytes:
     """Digest over (name, dtype, shape, tensor digest) of every tensor, in name order."""
     h = xxhash.xxh3_128()

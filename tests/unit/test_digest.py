@@ -21,7 +21,6 @@ from weighthub.tensors import (
     digest_affine,
     digest_bits,
     digest_change,
-    digest_rewritten,
     digest_sub,
     tensor_digest,
 )
@@ -142,20 +141,6 @@ def test_incremental_update_equals_full_digest(dtype) -> None:
         digest_affine(new, 10, (1,)), digest_affine(old, 10, (1,)))
 
 
-def test_rewritten_reads_new_words_back() -> None:
-    rng = np.random.default_rng(5)
-    dst = rng.integers(0, 1 << 16, 500, dtype=np.uint16)
-    before = digest_affine(dst, 1000, (1,))
-    pos = np.array([3, 9, 400], np.int64)
-    old = dst[pos].copy()
-    dst[pos] ^= 0x8000
-    got = digest_rewritten(dst, np.concatenate([pos, [0]]), np.concatenate([old, [7]]), 3,
-                           first=1000)
-    assert digest_add(before, got) == digest_affine(dst, 1000, (1,))
-    with pytest.raises(UsageError, match="outside"):
-        digest_rewritten(dst, np.array([500]), np.array([0], np.uint16), 1)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 def test_signed_zero_nan_payloads_swaps_and_moves_are_seen(dtype: torch.dtype) -> None:
     t = torch.zeros(16, dtype=dtype)
@@ -226,7 +211,7 @@ def test_segment_digest_halves_add_up(frac: float) -> None:
     assert entry is not None and np.array_equal(dst, new)
     # folded by the kernel as it wrote: new half, and old half both staged and folded
     assert digest_sub(lanes_digest(dnew), before) == change == \
-        digest_sub(lanes_digest(dnew), lanes_digest(dold)) == entry.digest_change(start)
+        digest_sub(lanes_digest(dnew), lanes_digest(dold))
     assert before == lanes_digest(dold)
     # into a fresh destination (a dense write records no undo): the new half alone
     if frac == 1.0:

@@ -94,30 +94,6 @@ def sum_change(index, old, new, first, out):
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def sum_change_at(dst, pos, old, count, first, out):
-    """out += Σ_{t<count} mix(first + pos[t], dst[pos[t]]) − mix(first + pos[t], old[t]).
-
-    The receiver's check after applying: `pos`/`old` are its undo log (positions it changed and
-    the words they held), `dst` the memory it wrote. Positions are < len(dst) (the apply kernels
-    wrote them after checking) and distinct within one segment.
-    """
-    s0 = np.uint64(0)
-    s1 = np.uint64(0)
-    f1 = np.uint64(first) + _ONE
-    for t in range(count):
-        p = pos[t]
-        i1 = f1 + np.uint64(p)
-        k0 = i1 * K0
-        k1 = i1 * K1
-        n = np.uint64(dst[p])
-        o = np.uint64(old[t])
-        s0 += _mix0(k0, n) - _mix0(k0, o)
-        s1 += _mix1(k1, n) - _mix1(k1, o)
-    out[0] += s0
-    out[1] += s1
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
 def sum_at(words, pos, count, first, out):
     """out += Σ_{t<count} mix(first + pos[t], words[pos[t]]). Caller checks 0 ≤ pos < len(words)."""
     s0 = np.uint64(0)

@@ -23,7 +23,6 @@ from ..tensors import (
     DType,
     digest_affine,
     digest_change,
-    digest_rewritten,
     digest_sub,
 )
 from . import kernels as K
@@ -372,17 +371,6 @@ class UndoEntry:
     positions: np.ndarray | None  # None: `old` is a copy of the whole of dst
     old: np.ndarray
     done: int
-
-    def digest_change(self, first: int) -> bytes:
-        """How the apply changed the digest of dst (dst[0] is canonical element `first`).
-
-        The new words are read back from dst, so this checks what memory now holds: O(changed)
-        for positions, O(range) for a dense copy.
-        """
-        if self.positions is None:
-            return digest_sub(digest_affine(self.dst, first, (1,), threads=1),
-                              digest_affine(self.old, first, (1,), threads=1))
-        return digest_rewritten(self.dst, self.positions, self.old, self.done, first=first)
 
 
 @dataclass(slots=True)
