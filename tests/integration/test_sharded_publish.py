@@ -262,7 +262,7 @@ def _free_port() -> int:
 def _start_group(world: int, work: Path) -> list[subprocess.Popen[bytes]]:
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}  # a crash leaves its traceback
     return [subprocess.Popen([sys.executable, __file__, str(r), str(world), str(port), str(work)],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             for r in range(world)]
@@ -276,10 +276,8 @@ def _results(scenario: str, world: int, work: Path, logs: list[str]) -> list[dic
     return out
 
 
-@pytest.fixture(scope="module")
-def groups(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, Group]]:
-    """Groups of 2 and 3 ranks, run at the same time; every process is gone afterwards."""
-    works = {w: tmp_path_factory.mktemp(f"sharded-w{w}") for w in (2, 3)}
+def _run_groups(works: dict[int, Path]) -> tuple[dict[int, list[int | None]], dict[int, list[str]]]:
+    """Run one group per world size at the same time; (exit codes, log tails) per world."""
     procs = {w: _start_group(w, works[w]) for w in works}
     deadline = time.monotonic() + RUN_TIMEOUT_S
     codes: dict[int, list[int | None]] = {}
@@ -296,6 +294,29 @@ def groups(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, Group
                 if p.poll() is None:
                     p.kill()
                     p.wait()
+    return codes, logs
+
+
+@pytest.fixture(scope="module")
+def groups(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, Group]]:
+    """Groups of 2 and 3 ranks, run at the same time; every process is gone afterwards.
+
+    A group in which a rank was killed by a signal runs once more, in a fresh directory, and
+    the crash is reported: torch 2.13's gloo backend has segfaulted here (once in four full
+    runs, in its `pt_gloo_runloop` thread inside libpython, per the kernel log). Every
+    assertion is made on the run that completed; a second crash fails the tests.
+    """
+    works = {w: tmp_path_factory.mktemp(f"sharded-w{w}") for w in (2, 3)}
+    codes, logs = _run_groups(works)
+    crashed = {w: work for w, work in works.items() if any(c is not None and c < 0 for c in codes[w])}
+    if crashed:
+        print(f"sharded groups {sorted(crashed)}: a rank died by a signal (exit codes "
+              f"{[codes[w] for w in sorted(crashed)]}); running them once more", file=sys.stderr)
+        retry = {w: tmp_path_factory.mktemp(f"sharded-w{w}-retry") for w in crashed}
+        codes2, logs2 = _run_groups(retry)
+        works.update(retry)
+        codes.update(codes2)
+        logs.update(logs2)
     out = {}
     for w, work in works.items():
         main = _results("main", w, work, logs[w])
