@@ -9,14 +9,20 @@ Layout (keys relative to the store root; v and b zero-padded to 12 digits):
                                 so racing publishers never overwrite each other's chunks
 
 A version without manifest.json does not exist, whatever else is under v{v}/.
+
+Routes run forward (a full representation, then deltas from their bases) and, to roll back,
+backward: a delta from b to v whose segments are all invertible, applied inversely, takes v back
+to b (`invertible`). The planner takes whichever is fewer bytes.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from .codec import coding_invertible
 from .errors import FormatError, NoSyncPath, ObjectNotFound, VersionNotFound
 from .format import Manifest, decode_manifest
 from .store import Store
@@ -70,14 +76,47 @@ def primary_manifest(store: Store, v: int) -> Manifest:
         raise VersionNotFound(f"version {v} is not committed in {store.url}") from None
 
 
+INVERSE = " (inverse)"  # how a route reports a delta applied inversely: its key + this
+
+
+def invertible(m: Manifest) -> bool:
+    """Can this delta be applied inversely, taking version m.version back to m.base?
+
+    Only if every segment is xor or add with positions coded independently of the base's bits
+    (codec.invertible), which the manifest tells per tensor in `ops`. A tensor that changed but
+    lists no ops (a writer that did not record them) makes the delta not invertible; one that
+    neither changed nor lists ops has no segments. The receiver still checks every segment of
+    an inverse step while staging, so a manifest that misstates its ops is refused, not applied.
+    """
+    if m.base is None:
+        return False
+    for t in m.tensors:
+        if not t.ops and t.changed:
+            return False
+        if not all(coding_invertible(name) for name in t.ops):
+            return False
+    return True
+
+
 @dataclass(frozen=True, slots=True)
 class Rep:
-    """One representation of a version: the manifest key and what it needs as a start."""
+    """One representation of a version: the manifest key and what it needs as a start.
+
+    On a route, `inverse` marks a delta applied inversely: that step starts at `version`
+    and ends at `base`.
+    """
 
     version: int
     base: int | None
     key: str
     payload_bytes: int
+    invertible: bool = False  # a delta that can be applied inversely (see `invertible`)
+    inverse: bool = False
+
+    @property
+    def label(self) -> str:
+        """The step as a sync reports it: the manifest key, marked when applied inversely."""
+        return self.key + INVERSE if self.inverse else self.key
 
 
 def representations(store: Store, v: int) -> list[Rep]:
@@ -94,7 +133,7 @@ def representations(store: Store, v: int) -> list[Rep]:
             continue  # a damaged optional representation just is not a route
         if m.version != v:
             continue
-        reps.append(Rep(v, m.base, key, m.payload_bytes))
+        reps.append(Rep(v, m.base, key, m.payload_bytes, invertible(m)))
     return reps
 
 
@@ -102,33 +141,51 @@ def plan(store: Store, start: int | None, target: int) -> list[Rep]:
     """Cheapest sequence of representations (by payload bytes) from `start` to `target`.
 
     start None means the receiver holds nothing (only full representations can begin a path).
-    Routes may use delta chains, skip deltas and anchors (full representations), mixed.
+    Routes may use delta chains, skip deltas and anchors (full representations), mixed; and, to
+    go back to an older version, invertible deltas applied inversely (marked `inverse`; each
+    takes its version back to its base, which must be committed: the receiver checks against
+    the base's manifest). At equal bytes the route with fewer inverse steps wins.
     """
-    versions = [v for v in list_versions(store) if v <= target]
-    if target not in versions:
+    committed = list_versions(store)
+    if target not in committed:
         raise VersionNotFound(f"version {target} is not committed in {store.url} "
-                              f"(have {versions[-5:] if versions else 'none'})")
-    # a full representation starts a route from anywhere (also backwards, to an older version);
-    # a delta only from its own base, so only versions after `start` matter for those
-    lo = start if start is not None and start < target else -1
-    reps_to: dict[int, list[Rep]] = {v: representations(store, v) for v in versions if v > lo}
-    # Dijkstra over versions; node -1 stands for "nothing held"
+                              f"(have {committed[-5:] if committed else 'none'})")
+    # Which versions' representations can be on a route. Forward, a delta applies only from its
+    # own base, so versions in (start, target]; from nothing, [0, target]; backward, [0, start]:
+    # anchors and deltas up to the target, and the deltas above it to undo.
+    if start is not None and start < target:
+        lo, hi = start, target
+    else:
+        lo, hi = -1, target if start is None else start
+    versions = set(committed)
+    # (version a step leads to, the step)
+    fulls: list[tuple[int, Rep]] = []  # a full representation starts a route from anywhere
+    steps: dict[int, list[tuple[int, Rep]]] = {}  # from a version: deltas forward, inverse back
+    for v in committed:
+        if not lo < v <= hi:
+            continue
+        for r in representations(store, v):
+            if r.base is None:
+                fulls.append((v, r))
+                continue
+            steps.setdefault(r.base, []).append((v, r))
+            if r.invertible and r.base in versions:
+                steps.setdefault(v, []).append((r.base, replace(r, inverse=True)))
+    # Dijkstra over versions; node -1 stands for "nothing held"; cost (bytes, inverse steps)
     origin = start if start is not None else -1
-    best: dict[int, tuple[int, list[Rep]]] = {origin: (0, [])}
-    heap = [(0, origin)]
+    best: dict[int, tuple[tuple[int, int], list[Rep]]] = {origin: ((0, 0), [])}
+    heap = [((0, 0), origin)]
     while heap:
         cost, node = heapq.heappop(heap)
         if node == target:
             return best[node][1]
         if cost > best[node][0]:
             continue
-        for v, reps in reps_to.items():
-            for r in reps:
-                if r.base is None or r.base == node:
-                    c = cost + r.payload_bytes
-                    if v not in best or c < best[v][0]:
-                        best[v] = (c, best[node][1] + [r])
-                        heapq.heappush(heap, (c, v))
+        for nxt, r in itertools.chain(fulls, steps.get(node, ())):
+            c = (cost[0] + r.payload_bytes, cost[1] + r.inverse)
+            if nxt not in best or c < best[nxt][0]:
+                best[nxt] = (c, best[node][1] + [r])
+                heapq.heappush(heap, (c, nxt))
     held = "nothing" if start is None else f"version {start}"
     raise NoSyncPath(f"no retained chain in {store.url} leads from {held} to version {target}; "
                      "pull without an existing target to materialize it from an anchor")

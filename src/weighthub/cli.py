@@ -16,7 +16,8 @@
 
 STORE is a directory path, a file:// URI or s3://BUCKET/PREFIX (credentials and endpoint from
 the standard AWS_* variables, or --endpoint-url). Exit codes: 0 ok, 1 verify mismatch, 2 usage error,
-3 any other failure. Errors the user can act on print one line on stderr, never a traceback.
+3 any other failure, 4 `publish --hub` committed but the hub did not take the announcement.
+Errors the user can act on print one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -28,16 +29,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import catalog
-from .bench import command as bench_command
+# Only light modules here: those that import torch or numba (seconds per process) are imported
+# inside the commands that need them, so `--help`, `inspect` and argument errors start without
+# them (tests/integration/test_cli.py checks).
+from . import __version__, catalog
+from .cliargs import LazyParser, version_number
+from .codec.coding import ENCODE_PROFILES
 from .errors import UsageError, WeighthubError
-from .net import hubcore, node
-from .publish import ENCODE_PROFILES, Publisher
-from .receive import Receiver
 from .store import Store, open_store
 from .store.staging import StagingStore
-from .targets import SafetensorsTarget, load_checkpoint
-from .tensors import bits, digest_bits, specs_of
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
 
@@ -57,43 +57,110 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+# `publish --hub`: the version is committed in the store, but the hub did not take the announcement
+EXIT_NOT_ANNOUNCED = 4
+
+
 def cmd_publish(args: argparse.Namespace) -> int:
+    from .publish import Publisher
+    from .targets import load_checkpoint
+
     state = load_checkpoint(args.ckpt)  # read before opening the store: a bad CKPT writes nothing
+    hub = _publish_hub(args)  # a bad --hub or secret file is refused before anything is written
     store = _open(args)
+    if hub is not None:
+        _check_hub(hub, store)
     pub = Publisher(store, anchor_every=args.anchor_every, skip_every=args.skip_every,
                     retain=args.retain, policy=ENCODE_PROFILES[args.encode])
     r = pub.publish(state)
-    doc = {"version": r.version, "base": r.base, "dense_bytes": r.dense_bytes,
-           "payload_bytes": r.payload_bytes, "changed_fraction": r.changed_fraction,
-           "seconds": r.seconds, "chunks": r.chunks,
-           # where the publish's time went (PublishResult): busy seconds summed over threads
-           "stream_seconds": r.stream_seconds, "encode_seconds": r.encode_seconds,
-           "upload_seconds": r.upload_seconds, "overlap": r.overlap}
+    doc: dict[str, Any] = {
+        "version": r.version, "base": r.base, "dense_bytes": r.dense_bytes,
+        "payload_bytes": r.payload_bytes, "changed_fraction": r.changed_fraction,
+        "seconds": r.seconds, "chunks": r.chunks,
+        # where the publish's time went (PublishResult): busy seconds summed over threads
+        "stream_seconds": r.stream_seconds, "encode_seconds": r.encode_seconds,
+        "upload_seconds": r.upload_seconds, "overlap": r.overlap}
     kind = "full" if r.base is None else f"delta from {r.base}"
-    _emit(args, doc, f"published version {r.version} ({kind}) to {store.url}: "
-                     f"{_size(r.payload_bytes)} of {_size(r.dense_bytes)} dense, "
-                     f"{r.changed_fraction:.4%} changed, {r.chunks} chunks, {r.seconds:.2f}s")
+    line = (f"published version {r.version} ({kind}) to {store.url}: "
+            f"{_size(r.payload_bytes)} of {_size(r.dense_bytes)} dense, "
+            f"{r.changed_fraction:.4%} changed, {r.chunks} chunks, {r.seconds:.2f}s")
+    if hub is None:
+        _emit(args, doc, line)
+        return EXIT_OK
+    try:
+        hub.announce_committed(store, r.version, publisher=pub.id)
+    except WeighthubError as exc:
+        # the commit stands whatever the hub says: report it (stdout), then why it is not announced
+        doc["hub"] = {"address": hub.address, "announced": False, "error": f"{type(exc).__name__}: {exc}"}
+        _emit(args, doc, line)
+        return _fail(f"version {r.version} is committed in {store.url}, but hub {hub.address} did not "
+                     f"take the announcement ({type(exc).__name__}: {exc}); the commit stands (publishing "
+                     "again makes a new version): nodes following the hub get the next announced "
+                     "one, and read the store while the hub is down", EXIT_NOT_ANNOUNCED)
+    doc["hub"] = {"address": hub.address, "announced": True}
+    _emit(args, doc, f"{line}; announced to hub {hub.address}")
     return EXIT_OK
 
 
+def _publish_hub(args: argparse.Namespace) -> Any:
+    """`publish --hub`: the HubClient (its secret read now), or None without --hub."""
+    if args.hub is None:
+        if args.secret_file is not None:
+            raise UsageError("--secret-file is the hub's secret: pass it with --hub HOST:PORT")
+        return None
+    from .net.auth import load_secret  # lazily: only publishes to a hub need the net modules
+    from .net.hubclient import HubClient
+
+    return HubClient(args.hub, load_secret(args.secret_file), timeout=args.hub_timeout)
+
+
+def _check_hub(hub: Any, store: Store) -> None:
+    """Before the commit, what would make the hub refuse the announcement; nothing is written then.
+
+    A refused token (another secret), an address that is no hub, or a hub already past this
+    store's latest version (it follows another store) raise. A hub that does not answer now is
+    tried again after the commit: the version is useful without it (nodes read the store).
+    """
+    from .errors import PeerUnavailable, VersionError
+
+    try:
+        hub_latest = hub.latest()
+    except PeerUnavailable:
+        return
+    except WeighthubError as exc:
+        raise type(exc)(f"{exc}; nothing was committed") from exc
+    latest = catalog.latest_version(store)
+    if hub_latest is not None and (latest is None or hub_latest > latest):
+        raise VersionError(f"hub {hub.address} already has version {hub_latest}, but {store.url} "
+                           f"holds {'none' if latest is None else f'up to {latest}'}: the hub follows "
+                           "another store (or this one was reset); nothing was committed")
+
+
 def cmd_pull(args: argparse.Namespace) -> int:
+    from .receive import Receiver
+    from .targets.safetensors_file import DIR_DATA_FILE, SafetensorsTarget
+
     store: Store = _existing_store(args)
     if args.stage_dir:
         # receivers on one host share fetched chunks: each is fetched from the store once
         store = StagingStore(store, args.stage_dir)
+    target = SafetensorsTarget(args.out, overwrite=args.force)
     # verify_base: a file edited behind weighthub's back must not get a delta applied on top
-    receiver = Receiver(store, SafetensorsTarget(args.out), verify_base=True)
+    receiver = Receiver(store, target, verify_base=True)
     r = receiver.sync(args.version)
+    # a directory gets one file, whatever the published layout (the manifest keeps no layout)
+    out = args.out if target.is_file else str(Path(args.out) / DIR_DATA_FILE)
     doc = {"version": r.version, "from_version": r.from_version, "route": list(r.route),
            "bytes_fetched": r.bytes_fetched, "stage_seconds": r.stage_seconds,
            "apply_seconds": r.apply_seconds, "verify_seconds": r.verify_seconds,
-           "pause_seconds": r.pause_seconds, "seconds": r.seconds}
+           "pause_seconds": r.pause_seconds, "seconds": r.seconds, "backward": r.backward}
     if r.from_version == r.version:
-        line = f"{args.out} already holds version {r.version}"
+        line = f"{out} already holds version {r.version}"
     else:
         start = "nothing" if r.from_version is None else f"version {r.from_version}"
-        line = (f"pulled {args.out} from {start} to version {r.version}: "
-                f"{_size(r.bytes_fetched)} fetched via {len(r.route)} step(s), "
+        how = f"{len(r.route)} step(s)" + (", rolled back through inverse deltas" if r.backward else "")
+        line = (f"pulled {out} from {start} to version {r.version}: "
+                f"{_size(r.bytes_fetched)} fetched via {how}, "
                 f"{r.seconds:.2f}s (pause {r.pause_seconds:.2f}s)")
     _emit(args, doc, line)
     return EXIT_OK
@@ -123,24 +190,30 @@ def _version_or_latest(store: Store, version: int | None) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from .targets import load_checkpoint
+    from .tensors import bits, digest_bits, model_diff, specs_of
+
     state = load_checkpoint(args.ckpt)
     store = _existing_store(args)
     v = _version_or_latest(store, args.version)
     m = catalog.primary_manifest(store, v)
-    expected = {t.name: t for t in m.tensors}
-    have = {s.name: s for s in specs_of(state)}
-    differ = sorted(set(expected) ^ set(have))  # missing or unexpected names
-    for name in sorted(set(expected) & set(have)):
-        e, s = expected[name], have[name]
-        if (e.dtype, list(e.shape)) != (s.dtype.name, list(s.shape)) \
-                or digest_bits(bits(state[name])).hex() != e.digest:
-            differ.append(name)
-    if differ:
-        shown = ", ".join(differ[:20]) + (" …" if len(differ) > 20 else "")
-        print(f"{args.ckpt} differs from version {v} in {len(differ)} tensor(s): {shown}")
+    diff = model_diff(m.specs(), specs_of(state))
+    unlike = {e.name for e, _got in diff.changed}  # another dtype or shape: bits not compared
+    other_bits = [t.name for t in m.tensors if t.name in state and t.name not in unlike
+                  and digest_bits(bits(state[t.name])).hex() != t.digest]
+    if diff or other_bits:
+        problems = diff.phrases("the checkpoint", f"version {v}", limit=_SHOWN)
+        if other_bits:
+            more = " …" if len(other_bits) > _SHOWN else ""
+            problems.append(f"other bits: {other_bits[:_SHOWN]}{more}")
+        count = len(diff.missing) + len(diff.unexpected) + len(diff.changed) + len(other_bits)
+        print(f"{args.ckpt} differs from version {v} in {count} tensor(s): " + "; ".join(problems))
         return EXIT_MISMATCH
-    print(f"{args.ckpt} is bit-identical to version {v} ({len(expected)} tensors)")
+    print(f"{args.ckpt} is bit-identical to version {v} ({len(m.tensors)} tensors)")
     return EXIT_OK
+
+
+_SHOWN = 20  # tensor names listed per kind of difference
 
 
 def _version_doc(store: Store, v: int, *, tensors: bool) -> dict[str, Any]:
@@ -196,32 +269,54 @@ def cmd_serve_hub(args: argparse.Namespace) -> int:
         from .net import hub
     except ImportError as exc:
         raise UsageError(f"the hub is not available in this install ({exc}); "
-                         "install weighthub[hub]") from exc
+                         "pip install 'weighthub[net]' (aiohttp)") from exc
     hub.run_from_args(args)
     return EXIT_OK
 
 
 def cmd_serve_node(args: argparse.Namespace) -> int:
+    from .net import node
+
     node.run_from_args(args)
     return EXIT_OK
+
+
+def _hub_arguments(p: argparse.ArgumentParser) -> None:
+    from .net import hubcore
+
+    hubcore.add_arguments(p)
+
+
+def _node_arguments(p: argparse.ArgumentParser) -> None:
+    from .net import node  # the receiver, targets, torch and numba: only for `serve node`
+
+    node.add_arguments(p)
 
 
 def _add_serve(sub: Any) -> None:
     """`weighthub serve hub` and `serve node`: long-running services."""
     serve = sub.add_parser("serve", help="run a service: the hub, or a node")
-    kinds = serve.add_subparsers(dest="service", required=True, metavar="SERVICE")
-    s = kinds.add_parser("hub", help="track versions, holders and leases; rank sources; plan relay trees")
-    hubcore.add_arguments(s)
+    kinds = serve.add_subparsers(dest="service", required=True, metavar="SERVICE",
+                                 parser_class=LazyParser,
+                                 help="run `weighthub serve SERVICE --help` for its arguments")
+    s = kinds.add_parser("hub", help="track versions, holders and leases; rank sources; plan relay trees",
+                         add_arguments=_hub_arguments)
     s.set_defaults(func=cmd_serve_hub)
     s = kinds.add_parser("node", help="a rollout worker's daemon: follow versions into OUT, serve "
-                                      "and relay what it holds")
-    node.add_arguments(s)
+                                      "and relay what it holds", add_arguments=_node_arguments)
     s.set_defaults(func=cmd_serve_node)
+
+
+# targets.safetensors_file.DIR_DATA_FILE, spelled out: that module imports torch (a test checks)
+_DIR_DATA_FILE = "model.safetensors"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="weighthub", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                   help="print weighthub's version and exit")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                           help="run `weighthub COMMAND --help` for its arguments")
 
     # every command that takes a STORE takes the S3 endpoint too (else AWS_ENDPOINT_URL is used)
     remote = argparse.ArgumentParser(add_help=False)
@@ -241,41 +336,69 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'fast': plain-gap positions, ~1.5x faster encode and receiver staging for "
                         "~18%% more bytes (fast links); 'compact' (default): exponent-grouped positions")
     s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.add_argument("--hub", default=None, metavar="HOST:PORT",
+                   help="after the commit, announce the version to this hub (`weighthub serve hub`) "
+                        "so the nodes following it sync to it. Announce only: this one-shot process "
+                        "serves and relays nothing (nodes fetch from each other and the store; a "
+                        "trainer that relays uses weighthub.net.publisher.NetPublisher). Exit 4: "
+                        "committed, but the hub did not take the announcement")
+    s.add_argument("--secret-file", default=None, metavar="F",
+                   help="the hub's shared secret, for --hub (default: $WEIGHTHUB_SECRET)")
+    s.add_argument("--hub-timeout", type=float, default=5.0, metavar="S",
+                   help="seconds for each hub call (default 5)")
     s.set_defaults(func=cmd_publish)
 
-    s = sub.add_parser("pull", parents=[remote], help="bring a .safetensors file or directory to a version")
-    s.add_argument("store")
-    s.add_argument("out", help="a path ending in .safetensors, or a directory")
-    s.add_argument("--version", type=int, help="default: the latest")
+    existing = "an existing store: directory, file:// URI or s3://BUCKET/PREFIX"
+    s = sub.add_parser("pull", parents=[remote], help="bring a .safetensors file or directory to a version",
+                       description="Bring OUT to a version: in place with deltas when OUT holds an "
+                                   "older one, else written afresh. A directory OUT gets one file, "
+                                   f"{_DIR_DATA_FILE}, whatever files the checkpoint was published "
+                                   "from: the store keeps tensors (names, dtypes, shapes, bits), "
+                                   "not the file layout.")
+    s.add_argument("store", help=existing)
+    s.add_argument("out", help="a path ending in .safetensors (one file), or a directory (which "
+                               f"gets one {_DIR_DATA_FILE})")
+    s.add_argument("--version", type=version_number, metavar="N",
+                   help="version to pull (default: the latest)")
     s.add_argument("--stage-dir", default=None, metavar="DIR",
                    help="host-wide chunk cache shared by receivers on this host (e.g. /dev/shm/wh)")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--force", action="store_true",
+                   help="rewrite OUT from the store when weighthub did not write it, or it was "
+                        "modified outside weighthub since (a directory holding other files is "
+                        "still refused)")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_pull)
 
     s = sub.add_parser("verify", parents=[remote],
                        help="check a checkpoint's bits against a version (exit 1 if not)")
-    s.add_argument("store")
-    s.add_argument("ckpt")
-    s.add_argument("--version", type=int, help="default: the latest")
+    s.add_argument("store", help=existing)
+    s.add_argument("ckpt", help=".safetensors file or a directory of them")
+    s.add_argument("--version", type=version_number, metavar="N",
+                   help="version to compare with (default: the latest)")
     s.set_defaults(func=cmd_verify)
 
     s = sub.add_parser("inspect", parents=[remote], help="list versions, or one version's tensors")
-    s.add_argument("store")
-    s.add_argument("--version", type=int)
-    s.add_argument("--json", action="store_true")
+    s.add_argument("store", help=existing)
+    s.add_argument("--version", type=version_number, metavar="N",
+                   help="show this version's tensors (default: list every version)")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_inspect)
 
     s = sub.add_parser("demo", help="fine-tune MiniLM here; refit it bit-exact into receiver processes")
-    s.add_argument("--steps", type=int, default=6)
-    s.add_argument("--receivers", type=int, default=2)
-    s.add_argument("--lr", type=float, default=1e-5)
-    s.add_argument("--store", default=None, help="default: a fresh temporary directory")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--steps", type=int, default=6, help="optimizer steps to publish (default 6)")
+    s.add_argument("--receivers", type=int, default=2,
+                   help="receiver processes that pull every version (default 2)")
+    s.add_argument("--lr", type=float, default=1e-5, help="learning rate (default 1e-5)")
+    s.add_argument("--store", default=None, help="store directory (default: a fresh temporary one)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the data and model init (default 0)")
     s.add_argument("--json", default=None, metavar="PATH", help="write a JSON summary here")
     s.add_argument("--optimizer", choices=["adamw", "logra"], default="adamw",
                    help="logra: low-rank gradient sketches for 2-D weights (weighthub.train)")
-    s.add_argument("--logra-rank", type=int, default=16)
+    s.add_argument("--logra-rank", type=int, default=16, metavar="R",
+                   help="sketch rank for --optimizer logra (default 16)")
     s.set_defaults(func=cmd_demo)
+
+    from .bench import command as bench_command  # light: its runner is imported when it runs
 
     bench_command.add_parser(sub)
     _add_serve(sub)

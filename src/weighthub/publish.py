@@ -30,6 +30,7 @@ import xxhash
 from . import catalog
 from .chunking import Range, tile
 from .codec import EncodePolicy, Segment, encode_segment, encode_segment_tracked
+from .codec.coding import ENCODE_PROFILES as ENCODE_PROFILES  # re-exported: its home until now
 from .errors import ObjectExists, UsageError, WeighthubError
 from .format import ChunkRef, Manifest, TensorEntry, chunk_checksum, encode_chunk, encode_manifest
 from .format.manifest import KIND, MANIFEST_FORMAT
@@ -45,18 +46,6 @@ from .tensors import (
 )
 
 log = logging.getLogger(__name__)
-
-# Named encoder policies (Publisher(policy=...), `weighthub publish --encode NAME`). Measured on
-# 2 cores with the shaped bench's real delta (MiniLM lr 3e-6 step 2→3 tiled to 520 MiB, 1.3% of
-# the words changed): "compact" (the default: exponent-grouped positions where a probe says they
-# pay) sends 3.37 MiB and publishes in ~530 ms; "fast" (plain gaps) sends 3.97 MiB (+18%) in
-# ~360 ms, and its receivers skip the grouped-position decode while staging (an O(model) scan
-# of the held bits, ~0.3 s here). On a 1 Gbit/s link the 0.6 MiB cost ~5 ms: "fast" is the
-# better choice there. On deltas whose change does not depend on magnitude both send the same.
-ENCODE_PROFILES: dict[str, EncodePolicy] = {
-    "compact": EncodePolicy(),
-    "fast": EncodePolicy(groups=False),
-}
 
 DELTA_SPAN_BYTES = 32 << 20  # dense bytes per delta chunk (≈0.1-1 MiB on the wire at RL rates)
 FULL_SPAN_BYTES = 16 << 20  # dense bytes per full chunk (≈12 MiB on the wire)

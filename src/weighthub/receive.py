@@ -5,7 +5,7 @@
              manifest, parse and validate the frames; find the digests of the held version:
              nothing is touched yet
     apply    in place, recording the old words of everything changed (UndoLog)
-    verify   digests of every touched tensor against each applied manifest
+    verify   digests of every touched tensor against each version the route passes through
     commit   the target records the new version; or, on any failure anywhere in apply/verify,
              roll back exactly to the previous committed version and raise
 
@@ -23,6 +23,14 @@ both, a digest of the held bits while staging. This proves every rewritten word 
 words it did not rewrite to be the held version's (as every mode trusts untouched tensors);
 `verify="full"` re-digests every touched tensor instead (O(touched tensors), ~10x the time at
 RL change rates), and `verify_base=True` proves the whole held version first.
+
+Rolling back (a target at v asked for u < v) may take a backward route: deltas u+1 … v applied
+inversely, newest first (catalog.plan chooses it when it is fewer bytes than an anchor). Each
+inverse step is bound like a forward one, but the other way round: the target must hold the
+delta's version with the delta's root, and afterwards the digests must be those of the delta's
+base, as the base's own manifest records them (a delta's manifest records only its version's).
+Its segments are checked to be invertible while staging, before anything is touched, and it
+applies, folds digests and rolls back through the same kernels and undo log.
 """
 
 from __future__ import annotations
@@ -78,7 +86,9 @@ class SyncResult:
 
     version: int
     from_version: int | None
-    route: tuple[str, ...]  # manifest keys applied, in order
+    # manifest keys applied, in order; a delta applied inversely (rolling back) is reported as
+    # its key + catalog.INVERSE, "v…/manifest.json (inverse)"
+    route: tuple[str, ...]
     bytes_fetched: int
     stage_seconds: float  # plan, fetch, checksums, decode, held digests: before the pause
     apply_seconds: float  # writing the chunks into the target (in the pause)
@@ -90,6 +100,15 @@ class SyncResult:
     def total(self) -> float:
         return self.seconds
 
+    @property
+    def backward(self) -> bool:
+        """Did the route undo deltas (apply at least one inversely)?"""
+        return _backward(self.route)
+
+
+def _backward(route: tuple[str, ...]) -> bool:
+    return any(step.endswith(catalog.INVERSE) for step in route)
+
 
 @dataclass(slots=True)
 class _Step:
@@ -98,6 +117,10 @@ class _Step:
     # per chunk, per segment: Σ mix(i, held word) over what it will rewrite, computed while
     # staging (first manifest of the route only; None where not computed)
     olds: list[list[bytes | None]]
+    inverse: bool  # apply `manifest` (a delta) inversely: from its version back to its base
+    # the version the step arrives at, whose digests and root the result must have: `manifest`
+    # itself, or for an inverse step a manifest of its base
+    expect: Manifest
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -122,6 +145,11 @@ class Staged:
     @property
     def from_version(self) -> int | None:
         return self.held.version if self.held else None
+
+    @property
+    def backward(self) -> bool:
+        """Does the route undo deltas (apply at least one inversely)?"""
+        return _backward(self.route)
 
 
 class Receiver:
@@ -204,11 +232,11 @@ class Receiver:
         route = catalog.plan(self.store, held.version if held else None, version)
         steps, fetched = self._stage(route, held)
         held_digests = self._held_digests(held, steps[0].manifest)
-        specs = steps[-1].manifest.specs()  # O(tensors) checks kept out of the pause
+        specs = steps[-1].expect.specs()  # O(tensors) checks kept out of the pause
         current = self.target.specs()
         if current is not None:
             check_same_model(specs, current, "the target")
-        return Staged(version, held, self.store.url, tuple(r.key for r in route), fetched,
+        return Staged(version, held, self.store.url, tuple(r.label for r in route), fetched,
                       time.perf_counter() - t0, steps, held_digests, specs, current)
 
     def _apply_staged(self, staged: Staged) -> SyncResult:
@@ -235,12 +263,16 @@ class Receiver:
     # -- stage ----------------------------------------------------------------------------------
     def _stage(self, route: list[catalog.Rep], held: Held | None) -> tuple[list[_Step], int]:
         manifests = [catalog.read_manifest(self.store, r.key) for r in route]
+        expects = [self._expected(manifests, i) if r.inverse else m
+                   for i, (r, m) in enumerate(zip(route, manifests, strict=True))]
         jobs = [(mi, ci) for mi, m in enumerate(manifests) for ci in range(len(m.chunks))]
         # The first delta of the route applies to the bits held now: decode its exponent-grouped
-        # positions against them already (slow scan, off the pause). Later deltas in a chain
-        # depend on bits that do not exist yet; they decode during apply.
+        # positions against them already (slow scan, off the pause), and sum the digest lanes of
+        # the words it will replace. Later deltas in a chain depend on bits that do not exist
+        # yet; they decode during apply. (An inverse step has no grouped positions: refused.)
         first = manifests[0]
-        base_bits = self.target.peek() if held is not None and first.base_root == held.root else {}
+        first_from = first.root if route[0].inverse else first.base_root
+        base_bits = self.target.peek() if held is not None and first_from == held.root else {}
         first_specs = first.specs()
 
         def fetch(job: tuple[int, int]) -> tuple[ChunkFrame, list[bytes | None]]:
@@ -256,7 +288,7 @@ class Receiver:
                                     f"computed {digest[:12]}…: the chunk is corrupt or not the "
                                     "one the manifest names")
             frame = decode_chunk(blob, where=where)
-            _check_segments(frame, ref, m, where)
+            _check_segments(frame, ref, m, where, inverse=route[job[0]].inverse)
             olds: list[bytes | None] = [None] * len(frame.segments)
             if job[0] == 0 and base_bits:
                 frame = ChunkFrame(tuple(self._regap(seg, first_specs, base_bits, where)
@@ -274,10 +306,33 @@ class Receiver:
                                  "or never written); retry to re-plan") from exc
         staged = []
         it = iter(frames)
-        for m in manifests:
+        for r, m, expect in zip(route, manifests, expects, strict=True):
             got = [next(it) for _ in m.chunks]
-            staged.append(_Step(m, [f for f, _o in got], [o for _f, o in got]))
+            staged.append(_Step(m, [f for f, _o in got], [o for _f, o in got], r.inverse, expect))
         return staged, sum(r.payload_bytes for r in route)
+
+    def _expected(self, manifests: list[Manifest], i: int) -> Manifest:
+        """The manifest of the version inverse step i arrives at (its delta's base).
+
+        Any representation of a version records that version's digests and root: the next
+        inverse step's delta usually is one; otherwise the base's primary manifest. It must
+        have the root the delta names as its base, and the same tensor table.
+        """
+        m = manifests[i]
+        base = m.base
+        if base is None:  # catalog.plan never routes so
+            raise UsageError(f"{self.store.url}: a full representation of version {m.version} "
+                             "cannot be applied inversely")
+        found = next((o for o in manifests if o.version == base), None)
+        if found is None:
+            found = catalog.primary_manifest(self.store, base)
+        where = f"version {base} in {self.store.url}"
+        if found.root != m.base_root:
+            raise BaseMismatch(f"{where} has root {found.root[:12]}…, but delta {m.version} names "
+                               f"its base's root {(m.base_root or '')[:12]}…: the store's history "
+                               "is inconsistent; nothing applied")
+        check_same_model(m.specs(), found.specs(), where)
+        return found
 
     @staticmethod
     def _regap(seg: Segment, specs: list[TensorSpec], base_bits: dict[str, np.ndarray],
@@ -313,9 +368,7 @@ class Receiver:
         if len(digests) == len(specs):
             got = root_digest((s, digests[s.name]) for s in specs).hex()
             if got != held.root:
-                raise BaseMismatch(f"the target's bits (root {got[:12]}…) are not the version "
-                                   f"it claims to hold (root {held.root[:12]}…): it was modified "
-                                   "outside weighthub; pull it afresh into an empty path")
+                raise _modified_outside(got, held.root)
         return digests
 
     # -- apply ----------------------------------------------------------------------------------
@@ -327,7 +380,7 @@ class Receiver:
         specs: the final manifest's tensor table; current: the target's (checked to match
         before the pause, by _stage_version).
         """
-        final = staged[-1].manifest
+        final = staged[-1].expect
         # a target holding nothing is materialized afresh and discarded on failure: no undo copy
         undo = UndoLog(fresh=current is None)
         apply_s = verify_s = 0.0
@@ -344,7 +397,11 @@ class Receiver:
             state_root = held.root if held else None
             for st in staged:
                 m = st.manifest
-                if m.base is not None and m.base_root != state_root:
+                if st.inverse and m.root != state_root:
+                    raise BaseMismatch(f"delta {m.version} applied inversely needs version "
+                                       f"{m.version} ({m.root[:12]}…) but the target holds "
+                                       f"{(state_root or 'nothing')[:12]}…; refusing to apply")
+                if not st.inverse and m.base is not None and m.base_root != state_root:
                     raise BaseMismatch(f"delta {m.version} has base {m.base} "
                                        f"({(m.base_root or '')[:12]}…) but the target holds "
                                        f"{(state_root or 'nothing')[:12]}…; refusing to apply")
@@ -353,17 +410,18 @@ class Receiver:
                 undo.fresh = current is None and m.base is None
                 t = time.perf_counter()
                 changes, busy_apply, busy_verify = self._apply_manifest(
-                    m, st.frames, st.olds, views, alias, undo, touched)
+                    m, st.frames, st.olds, views, alias, undo, touched, inverse=st.inverse)
                 t2 = time.perf_counter()
                 if self.verify == "incremental":
-                    digests = self._check_manifest(views, alias, m, changes, digests)
+                    digests = self._check_manifest(views, alias, st.expect, changes, digests,
+                                                   from_nothing=m.base is None)
                 t3 = time.perf_counter()
                 # apply and per-chunk digest work interleave on the threads: split their wall
                 # time in proportion to busy time
                 share = busy_verify / (busy_apply + busy_verify) if busy_verify else 0.0
                 apply_s += (t2 - t) * (1 - share)
                 verify_s += (t2 - t) * share + (t3 - t2)
-                state_root = m.root
+                state_root = st.expect.root
             t = time.perf_counter()
             if self.verify == "full":
                 self._verify_touched(views, final, touched)
@@ -384,7 +442,8 @@ class Receiver:
 
     def _apply_manifest(self, m: Manifest, frames: list[ChunkFrame], olds: list[list[bytes | None]],
                         views: dict[str, np.ndarray], alias: dict[str, str], undo: UndoLog,
-                        touched: set[int]) -> tuple[list[tuple[int, bytes]], float, float]:
+                        touched: set[int], *, inverse: bool = False
+                        ) -> tuple[list[tuple[int, bytes]], float, float]:
         """Apply every chunk of `m` in place; with incremental verification, each chunk's digest
         changes are taken by the same thread. Returns (tensor index, digest change) pairs and the
         busy seconds of apply and of digests, summed over threads.
@@ -397,7 +456,8 @@ class Receiver:
         the new words back after it cost ~1x, and folding the old half in the pause ~0.25x
         (staging it costs more CPU, ~1.2x, but outside the pause). Not re-reading memory is safe
         because _check_disjoint refused targets whose views partly overlap. `alias`: the
-        views' unique_views.
+        views' unique_views. `inverse`: undo the delta `m` instead (the same folding gives the
+        change from m's version to its base).
         """
         specs = m.specs()
         touched.update(i for i, s in enumerate(specs) if alias[s.name] != s.name)  # verify aliases
@@ -416,7 +476,7 @@ class Receiver:
                 dnew = np.zeros(2, np.uint64) if fold else None
                 dold = np.zeros(2, np.uint64) if fold and seg_old is None else None
                 apply_segment(seg, dst, spec.dtype, undo, f"{self.store.url}/{ref.key}",
-                              dnew=dnew, dold=dold)
+                              dnew=dnew, dold=dold, inverse=inverse)
                 if dnew is not None:
                     before = seg_old if dold is None else lanes_digest(dold)
                     changes.append((seg.tensor, digest_sub(lanes_digest(dnew), before or b"")))
@@ -447,15 +507,17 @@ class Receiver:
                 sum(d[2] for d in done))
 
     def _check_manifest(self, views: dict[str, np.ndarray], alias: dict[str, str], m: Manifest,
-                        changes: list[tuple[int, bytes]],
-                        digests: dict[str, bytes] | None) -> dict[str, bytes]:
-        """Digests after applying `m` (held digests + changes), checked against m's.
+                        changes: list[tuple[int, bytes]], digests: dict[str, bytes] | None, *,
+                        from_nothing: bool) -> dict[str, bytes]:
+        """Digests after a step (held digests + changes), checked against m's, the manifest of
+        the version the step arrived at (same tensor table as the step's).
 
-        A full representation starts from nothing. Tensors without a held digest (none known)
-        are digested in full; a tied name takes its first name's digest (the same words).
+        A full representation starts from nothing (`from_nothing`). Tensors without a held
+        digest (none known) are digested in full; a tied name takes its first name's digest
+        (the same words).
         """
         specs = m.specs()
-        if m.base is None:
+        if from_nothing:
             new = {s.name: ZERO_DIGEST for s in specs}
         else:
             new = dict(digests) if digests is not None else {}
@@ -498,10 +560,14 @@ class Receiver:
         digests = _digests(views, [s.name for s in specs])
         got = root_digest((s, bytes.fromhex(digests[s.name])) for s in specs).hex()
         if got != root:
-            raise BaseMismatch(f"the target's bits (root {got[:12]}…) are not the version it "
-                               f"claims to hold (root {root[:12]}…): it was modified outside "
-                               "weighthub; pull it afresh into an empty path")
+            raise _modified_outside(got, root)
         return {n: bytes.fromhex(d) for n, d in digests.items()}
+
+
+def _modified_outside(got: str, claimed: str) -> BaseMismatch:
+    return BaseMismatch(f"the target's bits (root {got[:12]}…) are not the version it claims to "
+                        f"hold (root {claimed[:12]}…): it was modified outside weighthub; pull it "
+                        "afresh (`weighthub pull --force`, or into an empty path)")
 
 
 def _describe(held: Held | None) -> str:
@@ -563,8 +629,10 @@ def _digests(views: dict[str, np.ndarray], names: list[str]) -> dict[str, str]:
                         strict=True))
 
 
-def _check_segments(frame: ChunkFrame, ref: ChunkRef, m: Manifest, where: str) -> None:
-    """Every segment must lie inside the chunk's declared coverage (no writes elsewhere).
+def _check_segments(frame: ChunkFrame, ref: ChunkRef, m: Manifest, where: str, *,
+                    inverse: bool = False) -> None:
+    """Every segment must lie inside the chunk's declared coverage (no writes elsewhere), and
+    for a delta applied inversely be invertible (the planner took the manifest's word for it).
 
     A segment in a box (part of a trainer rank's strided shard, spec §3) spans a flat range
     that interleaves other chunks' elements: its positions are decoded here, before anything is
@@ -582,6 +650,12 @@ def _check_segments(frame: ChunkFrame, ref: ChunkRef, m: Manifest, where: str) -
                                   + (f" ({why[0]})" if why else ""))
         if m.base is None and seg.op != Op.DENSE:
             raise FormatError(f"{where}: a full representation may only hold dense segments")
+        if inverse and not seg.invertible:
+            name = m.tensors[seg.tensor].name if seg.tensor < len(m.tensors) else seg.tensor
+            raise FormatError(f"{where}: segment {i} of tensor {name!r} is "
+                              f"{seg.op.name.lower()}/{seg.positions.name.lower()}, which cannot "
+                              "be applied inversely, though the manifest lists only invertible ops "
+                              "for it: the manifest misstates its chunks; nothing applied")
     if m.base is None:
         total = sum(seg.numel for seg in frame.segments)
         need = (sum(stop - start for _t, start, stop in ref.covers)

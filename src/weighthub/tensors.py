@@ -8,18 +8,24 @@ values goes through an unsigned integer view of the same width, never through fl
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 import xxhash
 
 from .errors import ModelMismatch, UnknownCodecError, UsageError
+
+if TYPE_CHECKING:
+    # torch is imported where a tensor is first handled, not here: manifests (and so `weighthub
+    # inspect`, `--help`) use the dtype table, and importing torch costs seconds per process
+    import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,10 +38,16 @@ class DType:
 
     name: str  # the name written into manifests (safetensors' spelling)
     code: int  # the id written into chunk frames
-    torch_dtype: torch.dtype
+    torch_name: str  # the torch dtype's attribute name (torch.bfloat16 → "bfloat16")
     width: int  # bytes per element
     exponent_shift: int = 0
     exponent_mask: int = 0
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.torch_name)
 
     @property
     def uint(self) -> type[np.unsignedinteger]:
@@ -53,33 +65,38 @@ _UINT_BY_WIDTH: dict[int, type[np.unsignedinteger]] = {
     4: np.uint32,
     8: np.uint64,
 }
-_TORCH_INT_BY_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# the signed torch type a bit view of each width uses (torch lacks unsigned 16/32/64 views)
+_TORCH_INT_BY_WIDTH = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 DTYPES: tuple[DType, ...] = (
-    DType("BF16", 1, torch.bfloat16, 2, 7, 0xFF),
-    DType("F16", 2, torch.float16, 2, 10, 0x1F),
-    DType("F32", 3, torch.float32, 4, 23, 0xFF),
-    DType("F64", 4, torch.float64, 8, 52, 0x7FF),
-    DType("F8_E4M3", 5, torch.float8_e4m3fn, 1, 3, 0xF),
-    DType("F8_E5M2", 6, torch.float8_e5m2, 1, 2, 0x1F),
-    DType("I8", 7, torch.int8, 1),
-    DType("I16", 8, torch.int16, 2),
-    DType("I32", 9, torch.int32, 4),
-    DType("I64", 10, torch.int64, 8),
-    DType("U8", 11, torch.uint8, 1),
-    DType("BOOL", 12, torch.bool, 1),
+    DType("BF16", 1, "bfloat16", 2, 7, 0xFF),
+    DType("F16", 2, "float16", 2, 10, 0x1F),
+    DType("F32", 3, "float32", 4, 23, 0xFF),
+    DType("F64", 4, "float64", 8, 52, 0x7FF),
+    DType("F8_E4M3", 5, "float8_e4m3fn", 1, 3, 0xF),
+    DType("F8_E5M2", 6, "float8_e5m2", 1, 2, 0x1F),
+    DType("I8", 7, "int8", 1),
+    DType("I16", 8, "int16", 2),
+    DType("I32", 9, "int32", 4),
+    DType("I64", 10, "int64", 8),
+    DType("U8", 11, "uint8", 1),
+    DType("BOOL", 12, "bool", 1),
 )
 DTYPE_BY_NAME = {d.name: d for d in DTYPES}
 DTYPE_BY_CODE = {d.code: d for d in DTYPES}
-DTYPE_BY_TORCH = {d.torch_dtype: d for d in DTYPES}
+
+
+@functools.cache
+def _by_torch() -> dict[torch.dtype, DType]:
+    return {d.torch_dtype: d for d in DTYPES}
 
 
 def dtype_of(t: torch.Tensor) -> DType:
     """The canonical dtype of a tensor, or UsageError if weighthub does not carry it."""
     try:
-        return DTYPE_BY_TORCH[t.dtype]
+        return _by_torch()[t.dtype]
     except KeyError:
-        known = ", ".join(str(d.torch_dtype) for d in DTYPES)
+        known = ", ".join(f"torch.{d.torch_name}" for d in DTYPES)
         raise UsageError(f"dtype {t.dtype} is not supported; supported: {known}") from None
 
 
@@ -124,7 +141,9 @@ def bits(t: torch.Tensor) -> np.ndarray:
     flat = t.detach().reshape(-1)
     if not flat.is_contiguous():  # reshape of a non-viewable tensor copies; make that explicit
         flat = flat.contiguous()
-    as_int = flat.view(_TORCH_INT_BY_WIDTH[d.width]) if d.width > 1 else flat.view(torch.uint8)
+    import torch  # loaded already (t is a tensor); imported here only to keep this module light
+
+    as_int = flat.view(getattr(torch, _TORCH_INT_BY_WIDTH[d.width]))
     return as_int.numpy().view(d.uint)
 
 
@@ -326,25 +345,56 @@ def specs_of(state: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
     return [TensorSpec.of(name, state[name]) for name in sorted(state)]
 
 
+@dataclass(frozen=True, slots=True)
+class ModelDiff:
+    """How a tensor table (`got`) differs from the one expected, each list sorted by name."""
+
+    missing: list[str]  # expected, but not in got
+    unexpected: list[str]  # in got, but not expected
+    changed: list[tuple[TensorSpec, TensorSpec]]  # (expected, got): same name, dtype or shape differ
+
+    def __bool__(self) -> bool:
+        return bool(self.missing or self.unexpected or self.changed)
+
+    def phrases(self, got: str, expected: str, *, limit: int = 5) -> list[str]:
+        """The differences in words, one phrase per kind and per changed tensor, e.g. "missing
+        from CKPT: ['a']", "not in version 3: ['b']", "'c': dtype F32, version 3 has BF16"."""
+        out = []
+        if self.missing:
+            out.append(f"missing from {got}: {_names(self.missing, limit)}")
+        if self.unexpected:
+            out.append(f"not in {expected}: {_names(self.unexpected, limit)}")
+        for e, g in self.changed[:limit]:
+            if e.shape == g.shape:
+                out.append(f"{e.name!r}: dtype {g.dtype.name}, {expected} has {e.dtype.name}")
+            elif e.dtype == g.dtype:
+                out.append(f"{e.name!r}: shape {list(g.shape)}, {expected} has {list(e.shape)}")
+            else:
+                out.append(f"{e.name!r}: {g.dtype.name}{list(g.shape)}, {expected} has "
+                           f"{e.dtype.name}{list(e.shape)}")
+        if len(self.changed) > limit:
+            out.append(f"{len(self.changed) - limit} more with another dtype or shape")
+        return out
+
+
+def _names(names: list[str], limit: int) -> str:
+    return f"{names[:limit]}{' …' if len(names) > limit else ''}"
+
+
+def model_diff(expected: Iterable[TensorSpec], got: Iterable[TensorSpec]) -> ModelDiff:
+    """Compare two tensor tables by name: which are missing, unexpected, or of another dtype or
+    shape (bits are not compared)."""
+    exp = {s.name: s for s in expected}
+    have = {s.name: s for s in got}
+    return ModelDiff(sorted(set(exp) - set(have)), sorted(set(have) - set(exp)),
+                     [(exp[n], have[n]) for n in sorted(set(exp) & set(have)) if exp[n] != have[n]])
+
+
 def check_same_model(expected: list[TensorSpec], got: list[TensorSpec], where: str) -> None:
     """Raise ModelMismatch naming the first differences between two tensor tables."""
     if expected == got:
         return
-    exp = {s.name: s for s in expected}
-    have = {s.name: s for s in got}
-    problems: list[str] = []
-    missing = sorted(set(exp) - set(have))
-    extra = sorted(set(have) - set(exp))
-    if missing:
-        problems.append(f"missing {missing[:5]}{' …' if len(missing) > 5 else ''}")
-    if extra:
-        problems.append(f"unexpected {extra[:5]}{' …' if len(extra) > 5 else ''}")
-    for name in sorted(set(exp) & set(have)):
-        a, b = exp[name], have[name]
-        if a != b:
-            problems.append(
-                f"{name!r}: expected {a.dtype.name}{list(a.shape)}, got {b.dtype.name}{list(b.shape)}"
-            )
-            if len(problems) > 6:
-                break
+    # equal tables by name can still differ in order or repeat a name: indices would not match
+    problems = model_diff(expected, got).phrases(where, "the model") or [
+        "the same names in another order, or repeated"]
     raise ModelMismatch(f"{where} does not match the store's model: " + "; ".join(problems))

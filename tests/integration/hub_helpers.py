@@ -24,9 +24,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from deadlines import PROCESS_S
 from weighthub.net.auth import AUTH_HEADER, body_digest, sign
 
-START_TIMEOUT_S = 60.0  # the machine is shared; a cold Python start can take seconds
+START_TIMEOUT_S = PROCESS_S
 _LISTENING = re.compile(r"listening on (\S+:\d+)")
 
 

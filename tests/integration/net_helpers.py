@@ -35,9 +35,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from deadlines import PROCESS_S
+
 import weighthub
 
-ANSWER_TIMEOUT_S = 60.0
+ANSWER_TIMEOUT_S = PROCESS_S  # an answer may wait for the node's cold start
 _SRC = str(Path(weighthub.__file__).resolve().parents[1])
 
 
@@ -165,7 +167,8 @@ def _node_main(argv: list[str]) -> None:
                              digests={n: xxhash.xxh3_128_hexdigest(a.tobytes())
                                       for n, a in target.peek().items()},
                              stats=dataclasses.asdict(peers.stats),
-                             store_chunk_gets=backing.chunk_gets)
+                             store_chunk_gets=backing.chunk_gets,
+                             lease_wait_s=leases.last_wait_s)
             elif cmd["cmd"] == "serve":
                 server.serve(cmd["version"])
             elif cmd["cmd"] == "sources":

@@ -30,11 +30,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from deadlines import PROCESS_S
 
 import weighthub
 from weighthub.tensors import bits
 
-START_TIMEOUT_S = 90.0  # a cold start imports torch: seconds on this loaded machine
+START_TIMEOUT_S = PROCESS_S
 _SRC = str(Path(weighthub.__file__).resolve().parents[1])
 Event = dict[str, Any]
 

@@ -13,11 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from deadlines import LONG_PROCESS_S, PROCESS_S
 
 pytest.importorskip("weighthub.bench.trajectories")
 pytest.importorskip("matplotlib")
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.slow
 
 CODECS = ("weighthub", "dense", "dense_zstd", "sparserl", "sparserl_zstd", "nemo", "bound_order0",
           "bound_ctx")
@@ -26,7 +27,7 @@ CODECS = ("weighthub", "dense", "dense_zstd", "sparserl", "sparserl_zstd", "nemo
 def test_bench_quick_writes_json_report_and_plots(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, "-m", "weighthub.cli", "bench", "--quick", "--json",
-                           str(out)], capture_output=True, text=True, timeout=280,
+                           str(out)], capture_output=True, text=True, timeout=LONG_PROCESS_S,
                           env={**os.environ, "PYTHONFAULTHANDLER": "1"}, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[bench" in proc.stderr  # progress is shown
@@ -49,6 +50,6 @@ def test_bench_unwritable_output_is_one_line(tmp_path: Path) -> None:
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
     proc = subprocess.run([sys.executable, "-m", "weighthub.cli", "bench", "--quick", "--out",
-                           str(blocker / "sub")], capture_output=True, text=True, timeout=60)
+                           str(blocker / "sub")], capture_output=True, text=True, timeout=PROCESS_S)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr

@@ -6,8 +6,10 @@ codes and that errors are one line on stderr without a traceback.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -16,15 +18,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from deadlines import PROCESS_S
 from safetensors.torch import load_file, save_file
 
+import weighthub
 import weighthub.demo
-from weighthub import catalog
-from weighthub.cli import main
+from weighthub import catalog, cli
+from weighthub.cli import build_parser, main
+from weighthub.cliargs import LazyParser
 from weighthub.store import open_store
+from weighthub.targets.safetensors_file import DIR_DATA_FILE
 from weighthub.tensors import bits
-
-pytestmark = pytest.mark.timeout(60)
 
 
 def make_state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -161,6 +165,31 @@ def test_pull_older_version_into_fresh_path(history, tmp_path: Path,
     assert same_bits(load_file(out), states[1])
     assert run(capsys, "verify", store, out, "--version", 1)[0] == 0
     assert run(capsys, "verify", store, out)[0] == 1  # latest is 2
+
+
+def test_pull_back_to_an_older_version_undoes_deltas(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`--encode fast` deltas (xor/add, gap positions) are invertible: rolling a file back from
+    version 3 to 1 fetches those two deltas, not the full version."""
+    store = tmp_path / "store"
+    states = [make_state()]
+    for v in range(1, 4):
+        states.append(step(states[-1], v))
+    for v, s in enumerate(states):
+        save_file(s, tmp_path / f"c{v}.safetensors")
+        assert run(capsys, "publish", store, tmp_path / f"c{v}.safetensors", "--encode", "fast")[0] == 0
+    out = tmp_path / "out.safetensors"
+    assert run(capsys, "pull", store, out)[0] == 0
+    code, text, _ = run(capsys, "pull", store, out, "--version", 1, "--json")
+    doc = json.loads(text)
+    assert code == 0 and (doc["version"], doc["from_version"], doc["backward"]) == (1, 3, True)
+    assert doc["route"] == [f"{catalog.version_dir(v)}/manifest.json (inverse)" for v in (3, 2)]
+    full = catalog.primary_manifest(open_store(str(store)), 0).payload_bytes
+    assert doc["bytes_fetched"] < full / 4
+    assert same_bits(load_file(out), states[1])
+    code, text, _ = run(capsys, "pull", store, out, "--version", 0)
+    assert code == 0 and "rolled back through inverse deltas" in text
+    assert same_bits(load_file(out), states[0])
 
 
 def test_verify_ok_and_mismatch(history, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -389,7 +418,7 @@ def test_demo_is_forwarded_lazily(monkeypatch: pytest.MonkeyPatch,
 def _cli(*argv: object) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
     return subprocess.run([sys.executable, "-m", "weighthub.cli", *map(str, argv)],
-                          capture_output=True, text=True, timeout=50, env=env)
+                          capture_output=True, text=True, timeout=PROCESS_S, env=env)
 
 
 def test_subprocess_exit_codes_and_one_line_errors(history, tmp_path: Path) -> None:
@@ -403,3 +432,186 @@ def test_subprocess_exit_codes_and_one_line_errors(history, tmp_path: Path) -> N
     p = _cli("pull", store, tmp_path / "o.safetensors", "--version", 99)
     assert p.returncode == 3
     assert_one_line_error(p.stderr, "VersionNotFound")
+
+
+# --- start-up: what the CLI imports -----------------------------------------------------------
+
+_IMPORTS_PROBE = """
+import contextlib, io, json, sys
+from weighthub.cli import main
+seen = {}
+for argv in json.loads(sys.argv[1]):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code
+    seen[" ".join(argv)] = [code, sorted(m for m in ("torch", "numba") if m in sys.modules)]
+import weighthub.publish  # the control: a module that does need them
+seen["control"] = [0, sorted(m for m in ("torch", "numba") if m in sys.modules)]
+print(json.dumps(seen))
+"""
+
+
+def test_help_inspect_and_usage_errors_do_not_import_torch_or_numba(history) -> None:
+    """Their imports cost seconds per process (~4.5 s measured, before they were made lazy);
+    `--help`, `inspect` (manifests only) and argument errors need neither. Checked in a fresh
+    process, by sys.modules, not by timing."""
+    store = str(history[0])
+    argvs = [["--help"], ["--version"], ["inspect", store], ["inspect", store, "--version", "1", "--json"],
+             ["pull", store, "o.safetensors", "--version", "-1"], ["publish", "--help"],
+             ["serve", "--help"], ["serve", "hub", "--help"], ["bench", "--help"]]
+    p = subprocess.run([sys.executable, "-c", _IMPORTS_PROBE, json.dumps(argvs)], capture_output=True,
+                       text=True, timeout=PROCESS_S)
+    assert p.returncode == 0, p.stderr
+    seen = json.loads(p.stdout)
+    assert seen.pop("control") == [0, ["numba", "torch"]]  # the probe does see them when imported
+    assert seen == {" ".join(a): [2 if "-1" in a else 0, []] for a in argvs}
+
+
+# --- usage errors, messages, help -------------------------------------------------------------
+
+def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.strip() == f"weighthub {weighthub.__version__}"
+
+
+@pytest.mark.parametrize("value", ["-1", "x"])
+def test_bad_version_numbers_are_usage_errors(history, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                              value: str) -> None:
+    store, _, ckpts = history
+    out = tmp_path / "o.safetensors"
+    for argv in (["pull", store, out], ["verify", store, ckpts[0]], ["inspect", store]):
+        with pytest.raises(SystemExit) as info:
+            main([*map(str, argv), "--version", value])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --version" in err
+        assert ("numbered from 0" if value == "-1" else "not a version") in err
+        assert "have none" not in err
+    assert not out.exists()
+
+
+def test_non_safetensors_input_is_a_usage_error(history, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    store = history[0]
+    before = catalog.list_versions(open_store(str(store)))
+    (tmp_path / "model.bin").write_bytes(b"\x80\x02}q\x00." * 100)  # e.g. a pickled torch file
+    for command in ("publish", "verify"):
+        code, _, err = run(capsys, command, store, tmp_path / "model.bin")
+        assert code == 2
+        assert_one_line_error(err, "model.bin is not a safetensors file")
+        assert "LimitError" not in err
+    assert catalog.list_versions(open_store(str(store))) == before
+
+
+def test_verify_says_how_tensors_differ(history, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store, states, _ = history
+    fp32 = {n: (t.float() if n == "embed.weight" else t) for n, t in states[2].items()}
+    save_file(fp32, tmp_path / "fp32.safetensors")
+    code, out, _ = run(capsys, "verify", store, tmp_path / "fp32.safetensors")
+    assert code == 1
+    assert "in 1 tensor(s): 'embed.weight': dtype F32, version 2 has BF16" in out
+
+    renamed = {("x." + n if n == "step" else n): t for n, t in states[2].items()}
+    renamed["layers.0.norm.weight"] = renamed["layers.0.norm.weight"].clone()
+    renamed["layers.0.norm.weight"].view(torch.int32)[0] ^= 1
+    save_file(renamed, tmp_path / "renamed.safetensors")
+    code, out, _ = run(capsys, "verify", store, tmp_path / "renamed.safetensors")
+    assert code == 1 and len(out.strip().splitlines()) == 1
+    assert "in 3 tensor(s): missing from the checkpoint: ['step']; not in version 2: ['x.step']; " \
+           "other bits: ['layers.0.norm.weight']" in out
+
+
+def _parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ("weighthub",)):
+    """Every parser of the command line (lazy subcommands filled in), with its command path."""
+    if isinstance(parser, LazyParser):
+        parser.populate()
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {choice.dest: choice.help for choice in action._choices_actions}
+            for name, sub in action.choices.items():
+                assert helps.get(name), f"{' '.join(path)} {name} has no help line"
+                yield from _parsers(sub, (*path, name))
+
+
+def test_every_argument_has_a_help_line() -> None:
+    missing = [f"{' '.join(path)} {'/'.join(a.option_strings) or a.dest}"
+               for path, p in _parsers(build_parser()) for a in p._actions
+               if not isinstance(a, argparse._HelpAction | argparse._VersionAction)
+               and (not a.help or a.help == argparse.SUPPRESS)]
+    assert missing == []
+
+
+def test_help_texts(capsys: pytest.CaptureFixture[str]) -> None:
+    def usage(*argv: str) -> str:
+        with pytest.raises(SystemExit) as info:
+            main([*argv, "--help"])
+        assert info.value.code == 0
+        return capsys.readouterr().out
+
+    bench = usage("bench")
+    head = bench.split("\n\n")[0]
+    assert "[SUITE] ..." in head and not re.search(r"(?<!\[)SUITE(?!\])", head)  # optional
+    assert "--hub HOST:PORT" in usage("serve", "node")  # a lazy subcommand still has its help
+    pull = " ".join(usage("pull").split())
+    # the directory layout is documented where users look (and kept equal to the target's)
+    assert cli._DIR_DATA_FILE == DIR_DATA_FILE
+    assert f"A directory OUT gets one file, {DIR_DATA_FILE}, whatever files the checkpoint was " \
+           "published from" in pull and "--force" in pull
+
+
+# --- pull into paths weighthub did not write, or that changed since ----------------------------
+
+def test_pull_refuses_a_file_weighthub_did_not_write(history, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    store, states, _ = history
+    out = tmp_path / "mine.safetensors"
+    save_file({"notes": torch.ones(4)}, out)
+    before = snapshot(out)
+    code, _, err = run(capsys, "pull", store, out)
+    assert code == 2
+    assert_one_line_error(err, "mine.safetensors exists and was not written by weighthub", "--force")
+    assert snapshot(out) == before
+    code, text, _ = run(capsys, "pull", store, out, "--force")
+    assert code == 0 and "pulled" in text and same_bits(load_file(out), states[2])
+    code, text, _ = run(capsys, "pull", store, out)
+    assert code == 0 and "already holds version 2" in text
+
+
+@pytest.mark.parametrize("name", ["out.safetensors", "outdir"])
+def test_pull_notices_edits_outside_weighthub_at_the_same_version(
+        history, tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str) -> None:
+    store, out, _ = _pulled_at_1(history, tmp_path, capsys, name)
+    states = history[1]
+    data = out if out.is_file() else out / DIR_DATA_FILE
+    st = data.stat()
+    raw = bytearray(data.read_bytes())
+    raw[-3] ^= 0x01  # one bit of the last tensor's data; same size
+    data.write_bytes(bytes(raw))
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # an edit a second later
+    before = snapshot(out)
+    code, _, err = run(capsys, "pull", store, out, "--version", 1)  # the version it claims to hold
+    assert code == 3
+    assert_one_line_error(err, "BaseMismatch", "modified outside weighthub", "version 1", "--force")
+    assert snapshot(out) == before
+    code, text, _ = run(capsys, "pull", store, out, "--version", 1, "--force")
+    assert code == 0 and "from nothing to version 1" in text
+    assert same_bits(load_file(data), states[1])
+    assert run(capsys, "verify", store, out, "--version", 1)[0] == 0
+
+
+def test_pull_into_a_directory_writes_one_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    state = make_state()
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    names = sorted(state)
+    save_file({n: state[n] for n in names[:2]}, shards / "model-00001-of-00002.safetensors")
+    save_file({n: state[n] for n in names[2:]}, shards / "model-00002-of-00002.safetensors")
+    assert run(capsys, "publish", tmp_path / "store", shards)[0] == 0
+    code, text, _ = run(capsys, "pull", tmp_path / "store", tmp_path / "out")
+    assert code == 0 and f"pulled {tmp_path / 'out' / DIR_DATA_FILE} from nothing" in text
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [DIR_DATA_FILE, "weighthub.json"]
+    assert same_bits(load_file(tmp_path / "out" / DIR_DATA_FILE), state)

@@ -18,7 +18,7 @@ from weighthub.demo import run
 from weighthub.demo.pool import WorkerFailed, WorkerPool
 from weighthub.demo.trainer import MiniLMTrainer
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.slow
 
 
 def children() -> set[int]:

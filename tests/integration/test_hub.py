@@ -24,7 +24,8 @@ from weighthub.net.auth import sign
 from weighthub.net.hubclient import HubClient
 from weighthub.net.topology import Labels
 
-pytestmark = pytest.mark.timeout(120)
+# several real processes per test: outside the fast subset (-m "not slow")
+pytestmark = pytest.mark.slow
 
 KEY = "v000000000001/c0000.whc"
 

@@ -28,7 +28,8 @@ from weighthub.publish import Publisher
 from weighthub.store import LocalStore
 from weighthub.tensors import bits
 
-pytestmark = pytest.mark.timeout(120)
+# several real processes per test: outside the fast subset (-m "not slow")
+pytestmark = pytest.mark.slow
 
 SECRET = "peer-net-test-secret-5f1c9a7e"
 KEY = SECRET.encode()
@@ -186,7 +187,9 @@ def test_failover_from_corrupt_and_slow_peers(published: Any, holder: Node,
     receiver.call(cmd="sources", addrs=[corrupt.addr, slow.addr, holder.addr])
     t0 = time.perf_counter()
     ans = synced_ok(receiver)
-    assert time.perf_counter() - t0 < 20  # one 1 s deadline per fetch thread, then the peer is skipped
+    # one 1 s deadline per fetch thread, then the peer is skipped; without it each fetch from the
+    # slow peer would take its 30 s (bounded by that, not by a guess at this machine's speed)
+    assert time.perf_counter() - t0 < 30
     assert ans["version"] == 2 and ans["digests"] == digests(states[2])
     assert ans["store_chunk_gets"] == 0  # the good holder served every chunk
     assert ans["stats"]["peer_failures"] >= 2
@@ -205,7 +208,7 @@ def test_failover_when_a_peer_is_killed_mid_transfer(published: Any, holder: Nod
     doomed.kill9()
     ans = wait_answer(pending, 30)
     assert ans["ok"], ans
-    assert time.perf_counter() - t0 < 10  # the kill was noticed, not the 20 s deadline
+    assert time.perf_counter() - t0 < 19  # the kill was noticed, not the 20 s deadline waited out
     assert ans["digests"] == digests(states[2])
     assert ans["stats"]["peer_failures"] >= 1 and ans["store_chunk_gets"] == 0
 
@@ -266,8 +269,9 @@ def test_read_leases_defer_the_holders_apply_for_a_bounded_time(published: Any,
     v1 = bits(states[1]["embed.weight"]).tobytes()
     assert client.dense_range(1, "embed.weight", 0, n, lease="stuck") == v1
 
-    # a reader that never releases delays the next apply by at most --lease-wait
-    t0 = time.perf_counter()
+    # a reader that never releases delays the next apply by --lease-wait (6 s), not by its
+    # lease's 30 s ttl: checked on the holder's own measure of the wait, which a loaded
+    # machine does not stretch the way it stretches the whole sync
     ans = synced_ok(node, version=2)
-    assert 5.9 < time.perf_counter() - t0 < 30
+    assert 6 <= ans["lease_wait_s"] < 20
     assert ans["digests"] == digests(states[2])

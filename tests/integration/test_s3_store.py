@@ -28,7 +28,6 @@ from weighthub.store import Store, open_store
 from weighthub.store.s3 import S3Store, parse_s3_url
 from weighthub.targets import StateDictTarget
 
-pytestmark = pytest.mark.timeout(60)
 MiB = 1 << 20
 
 

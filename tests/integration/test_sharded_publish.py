@@ -27,10 +27,15 @@ import numpy as np
 import pytest
 import torch
 
+# several real processes per test: outside the fast subset (-m "not slow")
+pytestmark = pytest.mark.slow
+
 SPAN = 4096  # the minimum chunk span: several chunks per rank and tensor
 STEPS = 6  # trajectory states 0..5; the group publishes 0, 1, 2, 3, (4 refused), 5
-GROUP_TIMEOUT_S = 30  # the gloo process group's timeout: bounds every collective wait
-RUN_TIMEOUT_S = 120
+# the gloo process group's timeout: bounds every collective wait, including the first one, which
+# waits for the slowest rank's cold start (torch, numba) on a loaded machine
+GROUP_TIMEOUT_S = 120
+RUN_TIMEOUT_S = 480  # every group, run side by side: a hang guard below pytest's 600 s
 MEM_SPAN = 256 << 10  # chunk span of the memory measurement
 
 # (name, global shape, dtype, placement): "S0" Shard(0), "S1" Shard(1), "R" Replicate

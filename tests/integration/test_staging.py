@@ -24,6 +24,7 @@ import pytest
 import torch
 import xxhash
 
+from deadlines import PROCESS_S
 from weighthub import catalog
 from weighthub.errors import ChecksumError
 from weighthub.publish import Publisher
@@ -32,7 +33,6 @@ from weighthub.store import LocalStore, MemoryStore
 from weighthub.store.staging import StagingStore, default_stage_dir
 from weighthub.targets import StateDictTarget
 
-pytestmark = pytest.mark.timeout(60)
 MiB = 1 << 20
 
 # Three receiver processes. A launcher imports weighthub once (torch dominates the start-up
@@ -137,7 +137,7 @@ def test_three_processes_fetch_each_chunk_once(seaweedfs: Any, s3_prefix: str,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
     try:
-        out, err = launcher.communicate(timeout=50)
+        out, err = launcher.communicate(timeout=PROCESS_S)
     finally:
         if launcher.poll() is None:  # a hang: take the launcher and its receivers down
             os.killpg(launcher.pid, signal.SIGKILL)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -11,13 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from weighthub.errors import FormatError, LimitError, UsageError
+from weighthub.errors import BaseMismatch, FormatError, LimitError, UsageError
 from weighthub.targets import SafetensorsTarget, load_checkpoint
 from weighthub.targets.base import Held
 from weighthub.targets.safetensors_file import MAX_HEADER_BYTES, read_header
 from weighthub.tensors import bits, specs_of
-
-pytestmark = pytest.mark.timeout(30)
 
 HELD = Held("file:///store", "0" * 32, 3, "1" * 32)
 
@@ -67,6 +66,11 @@ HOSTILE = [
 ]
 
 
+# no safetensors header at all: as a checkpoint to read, the caller named the wrong file
+NOT_SAFETENSORS = {"empty file", "length larger than file", "length over the limit",
+                   "header not an object"}
+
+
 @pytest.mark.parametrize(("name", "header", "data", "declared", "error"), HOSTILE,
                          ids=[case[0] for case in HOSTILE])
 def test_hostile_headers_are_refused(tmp_path: Path, name: str, header: object, data: bytes,
@@ -78,7 +82,21 @@ def test_hostile_headers_are_refused(tmp_path: Path, name: str, header: object, 
         raw_safetensors(path, header, data, declared=declared)
     with pytest.raises(error, match=r"bad\.safetensors"):
         read_header(path)
-    with pytest.raises(error):
+    if name in NOT_SAFETENSORS:
+        with pytest.raises(UsageError, match=r"bad\.safetensors is not a safetensors file"):
+            load_checkpoint(path)
+    else:  # a safetensors header with bad entries: a corrupt file, not a wrong one
+        with pytest.raises(error) as info:
+            load_checkpoint(path)
+        assert not isinstance(info.value, UsageError)
+
+
+@pytest.mark.parametrize("content", [b"", b"hello, weights\n", b"\x80\x02}q\x00(X\x01\x00\x00\x00aq" * 64],
+                         ids=["empty", "text", "pickle"])
+def test_other_files_are_not_safetensors(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "model.bin"
+    path.write_bytes(content)
+    with pytest.raises(UsageError, match=r"model\.bin is not a safetensors file \(.+\); give a "):
         load_checkpoint(path)
 
 
@@ -87,6 +105,8 @@ def test_header_that_is_not_json(tmp_path: Path) -> None:
     path.write_bytes(struct.pack("<Q", 8) + b"\xff{nope}\x00" + bytes(8))
     with pytest.raises(FormatError, match="not JSON"):
         read_header(path)
+    with pytest.raises(UsageError, match=r"not a safetensors file .*not JSON"):
+        load_checkpoint(path)
 
 
 def test_truncated_real_file(tmp_path: Path) -> None:
@@ -96,8 +116,10 @@ def test_truncated_real_file(tmp_path: Path) -> None:
     path.write_bytes(raw[:-3])  # the last tensor's data is cut short
     with pytest.raises(FormatError, match="inconsistent offsets"):
         load_checkpoint(path)
-    path.write_bytes(raw[:20])  # cut inside the header
+    path.write_bytes(raw[:20])  # cut inside the header: no header to read at all
     with pytest.raises(LimitError):
+        read_header(path)
+    with pytest.raises(UsageError, match="not a safetensors file"):
         load_checkpoint(path)
 
 
@@ -165,7 +187,12 @@ def test_in_place_abort_restores_the_committed_sidecar(tmp_path: Path) -> None:
     views["b.f32"][0] ^= 1
     views["b.f32"][0] ^= 1  # the receiver rolled its change back
     target.abort()
-    assert target.sidecar.read_bytes() == sidecar and target.held() == HELD
+    # committed again, with the same version; its files' stats are re-recorded (rolling back
+    # wrote through the map), so the rollback is not mistaken for an edit outside weighthub
+    after = json.loads(target.sidecar.read_bytes())
+    assert {**after, "files": None} == {**json.loads(sidecar), "files": None}
+    assert after["files"]["out.safetensors"][0] == out.stat().st_size
+    assert target.held() == HELD and SafetensorsTarget(out).held() == HELD
 
 
 @pytest.mark.parametrize("name", ["out.safetensors", "outdir"])
@@ -221,3 +248,68 @@ def test_abort_never_blesses_a_crashed_apply(tmp_path: Path, monkeypatch: pytest
         second.open(specs_of(state))  # re-materializing fails ...
     second.abort()  # ... and the receiver aborts: the mixed bits stay unclaimed
     assert SafetensorsTarget(out).held() is None
+
+
+def _committed(out: Path, state: dict[str, torch.Tensor]) -> SafetensorsTarget:
+    target = SafetensorsTarget(out)
+    _fill(target.open(specs_of(state)), state)
+    target.commit(HELD)
+    return target
+
+
+def test_foreign_file_is_refused_unless_overwrite(tmp_path: Path) -> None:
+    out = tmp_path / "out.safetensors"
+    save_file({"mine": torch.ones(3)}, out)  # the user's file: no sidecar beside it
+    before = out.read_bytes()
+    with pytest.raises(UsageError, match=r"out\.safetensors exists and was not written by weighthub"
+                                         r".*--force"):
+        SafetensorsTarget(out).held()  # refused at the first question, before any fetch
+    with pytest.raises(UsageError, match="not written by weighthub"):
+        SafetensorsTarget(out).open(specs_of(sample_state()))
+    assert out.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["out.safetensors"]
+    state = sample_state()
+    forced = SafetensorsTarget(out, overwrite=True)
+    assert forced.held() is None
+    _fill(forced.open(specs_of(state)), state)
+    forced.commit(HELD)
+    assert SafetensorsTarget(out).held() == HELD and sorted(load_checkpoint(out)) == sorted(state)
+
+
+@pytest.mark.parametrize("name", ["out.safetensors", "outdir"])
+@pytest.mark.parametrize("edit", ["size", "mtime"])
+def test_modified_outside_weighthub_is_not_trusted(tmp_path: Path, name: str, edit: str) -> None:
+    state = sample_state()
+    out = tmp_path / name
+    _committed(out, state)
+    data = out if out.is_file() else out / "model.safetensors"
+    st = data.stat()
+    if edit == "size":
+        with data.open("ab") as f:
+            f.write(b"\0")
+    else:  # same size, other bits, written a second later (set explicitly: no clock race)
+        raw = bytearray(data.read_bytes())
+        raw[-1] ^= 1
+        data.write_bytes(bytes(raw))
+        os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    with pytest.raises(BaseMismatch, match=r"modified outside weighthub after it was pulled to "
+                                           r"version 3 \((model|out)\.safetensors: size or mtime"):
+        SafetensorsTarget(out).held()
+    with pytest.raises(BaseMismatch, match="--force"):
+        SafetensorsTarget(out).specs()
+    forced = SafetensorsTarget(out, overwrite=True)
+    assert forced.held() is None  # holds nothing trusted: rewritten from the store
+    _fill(forced.open(specs_of(state)), state)
+    forced.commit(HELD)
+    assert SafetensorsTarget(out).held() == HELD
+    assert np.array_equal(bits(load_checkpoint(out)["a.bf16"]), bits(state["a.bf16"]))
+
+
+def test_sidecar_without_file_stats_is_trusted_as_before(tmp_path: Path) -> None:
+    out = tmp_path / "out.safetensors"
+    target = _committed(out, sample_state())
+    old = json.loads(target.sidecar.read_bytes())
+    del old["files"]  # as written before sidecars recorded sizes and mtimes
+    target.sidecar.write_text(json.dumps(old))
+    with out.open("ab") as f:
+        f.write(b"\0")
+    assert SafetensorsTarget(out).held() == HELD

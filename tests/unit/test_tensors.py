@@ -16,6 +16,7 @@ from weighthub.tensors import (
     digest_bits,
     dtype_named,
     dtype_of,
+    model_diff,
     root_digest,
     specs_of,
     tensor_digest,
@@ -114,10 +115,27 @@ def test_check_same_model_messages() -> None:
         check_same_model(exp, got, "the published state")
     msg = str(info.value)
     assert msg.startswith("the published state does not match the store's model")
-    assert "missing ['c']" in msg
-    assert "unexpected ['d']" in msg
-    assert "'a': expected F32[2, 3], got F32[3, 2]" in msg
-    assert "'b': expected BF16[4], got F32[4]" in msg
+    # which side lacks a name is said, not left to guess from "missing"/"unexpected"
+    assert "missing from the published state: ['c']" in msg
+    assert "not in the model: ['d']" in msg
+    assert "'a': shape [3, 2], the model has [2, 3]" in msg
+    assert "'b': dtype F32, the model has BF16" in msg
     many = specs_of({f"t{i}": torch.zeros(1) for i in range(8)})
-    with pytest.raises(ModelMismatch, match=r"missing \['t0', 't1', 't2', 't3', 't4'\] …"):
+    with pytest.raises(ModelMismatch, match=r"missing from x: \['t0', 't1', 't2', 't3', 't4'\] …"):
         check_same_model(many, [], "x")
+    with pytest.raises(ModelMismatch, match="another order"):  # indices would not line up
+        check_same_model(exp, list(reversed(exp)), "x")
+
+
+def test_model_diff_kinds() -> None:
+    exp = specs_of({"a": torch.zeros(2), "b": torch.zeros(2), "c": torch.zeros(2), "d": torch.zeros(1)})
+    got = specs_of({"a": torch.zeros(2), "b": torch.zeros(2, dtype=torch.bfloat16),
+                    "c": torch.zeros(3, dtype=torch.int8), "e": torch.zeros(1)})
+    diff = model_diff(exp, got)
+    assert (diff.missing, diff.unexpected) == (["d"], ["e"])
+    assert [(e.name, g.dtype.name) for e, g in diff.changed] == [("b", "BF16"), ("c", "I8")]
+    assert diff.phrases("CKPT", "version 3") == [
+        "missing from CKPT: ['d']", "not in version 3: ['e']",
+        "'b': dtype BF16, version 3 has F32", "'c': I8[3], version 3 has F32[2]"]
+    assert diff.phrases("CKPT", "v", limit=1)[-1] == "1 more with another dtype or shape"
+    assert not model_diff(exp, exp) and not model_diff(exp, exp).phrases("x", "y")

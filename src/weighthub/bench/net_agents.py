@@ -91,12 +91,11 @@ class PublisherAgent:
         if kill:
             watcher.join(10)
         self.state, self.next_version = state, self.next_version + 1
-        res = r.result
-        return {"version": res.version, "seconds": res.seconds, "payload_bytes": res.payload_bytes,
-                "dense_bytes": res.dense_bytes, "chunks": res.chunks, "planned": r.planned,
+        return {"version": r.version, "seconds": r.seconds, "payload_bytes": r.payload_bytes,
+                "dense_bytes": r.dense_bytes, "chunks": r.chunks, "planned": r.planned,
                 "pushed": r.pushed, "dead": list(r.dead), "killed": killed,
-                "changed_fraction": res.changed_fraction,
-                "root": catalog.primary_manifest(self.pub.store, res.version).root}
+                "changed_fraction": r.changed_fraction,
+                "root": catalog.primary_manifest(self.pub.store, r.version).root}
 
     def op_stop(self) -> dict[str, Any]:
         if self.pub is not None:

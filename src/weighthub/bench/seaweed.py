@@ -251,12 +251,8 @@ class SeaweedServer:
                        access_key_id=self.access_key, secret_access_key=self.secret_key, **opts)
 
     def client(self) -> Any:
-        """A raw boto3 S3 client, to act behind a store's back (tamper, inspect)."""
-        import boto3
-
-        return boto3.client("s3", endpoint_url=self.endpoint, region_name=REGION,
-                            aws_access_key_id=self.access_key,
-                            aws_secret_access_key=self.secret_key)
+        """A raw botocore S3 client, to act behind a store's back (tamper, inspect)."""
+        return _client(self.endpoint, self.access_key, self.secret_key)
 
     def _wait_ready(self, ns: Namespace | None, timeout: float) -> None:
         """Create the bucket with a signed request, retrying until it works (or weed exits).
@@ -353,6 +349,16 @@ def _signal_group(proc: subprocess.Popen[Any], sig: int) -> None:
         os.killpg(proc.pid, sig)
 
 
+def _client(endpoint: str, access_key: str | None, secret_key: str | None,
+            config: Any = None) -> Any:
+    """A raw S3 client from botocore (the `s3` extra's one dependency; boto3 is not required)."""
+    import botocore.session
+
+    return botocore.session.get_session().create_client(
+        "s3", endpoint_url=endpoint, region_name=REGION, aws_access_key_id=access_key,
+        aws_secret_access_key=secret_key, config=config)
+
+
 def _create_bucket(endpoint: str, bucket: str, access_key: str | None, secret_key: str | None,
                    timeout: float, alive: Any = None) -> str | None:
     """Create `bucket` with a signed request, retrying until it works: None, or why it did not.
@@ -360,12 +366,10 @@ def _create_bucket(endpoint: str, bucket: str, access_key: str | None, secret_ke
     The S3 gateway answers before the filer behind it takes writes, so early failures are
     expected; `alive()` returning False (weed exited) ends the wait at once.
     """
-    import boto3
     from botocore.config import Config
 
-    s3 = boto3.client("s3", endpoint_url=endpoint, region_name=REGION,
-                      aws_access_key_id=access_key, aws_secret_access_key=secret_key,
-                      config=Config(connect_timeout=1, read_timeout=5, retries={"max_attempts": 0}))
+    s3 = _client(endpoint, access_key, secret_key,
+                 Config(connect_timeout=1, read_timeout=5, retries={"max_attempts": 0}))
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline and (alive is None or alive()):

@@ -1,19 +1,43 @@
-"""Delta codec: change detection, position and value encodings, per-segment op choice."""
+"""Delta codec: change detection, position and value encodings, per-segment op choice.
 
-from .segment import (
-    EncodePolicy,
-    Op,
-    Positions,
-    Segment,
-    UndoEntry,
-    UndoLog,
-    Values,
-    apply_segment,
-    changed_positions,
-    encode_segment,
-    encode_segment_tracked,
-    regap_segment,
-)
+The codings' names, ids and policies (`coding`) load with the package; the segment encoder
+and its numba kernels on first use of one of their names: manifests name codings, and reading
+them (as `weighthub inspect` does) must not pay numba's import (about a second).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .coding import EncodePolicy, Op, Positions, Values, coding_invertible, invertible
+
+if TYPE_CHECKING:
+    from .segment import (
+        Segment,
+        UndoEntry,
+        UndoLog,
+        apply_segment,
+        changed_positions,
+        encode_segment,
+        encode_segment_tracked,
+        regap_segment,
+    )
+
+_FROM_SEGMENT = frozenset({
+    "Segment", "UndoEntry", "UndoLog", "apply_segment", "changed_positions",
+    "encode_segment", "encode_segment_tracked", "regap_segment",
+})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_SEGMENT:
+        from . import segment
+
+        value = getattr(segment, name)
+        globals()[name] = value  # later lookups find it without coming here
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "EncodePolicy",
@@ -25,7 +49,9 @@ __all__ = [
     "Values",
     "apply_segment",
     "changed_positions",
+    "coding_invertible",
     "encode_segment",
     "encode_segment_tracked",
+    "invertible",
     "regap_segment",
 ]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .coding import Op, Values
 from .mix import K0, K1, mix0, mix1
 
 # Status codes returned by the decode kernels (negative = refused, nothing past that point done).
@@ -30,13 +31,13 @@ POSITION_OUT_OF_RANGE = -2  # a decoded position beyond the segment's range
 TRAILING_BYTES = -3  # the stream has bytes left over after `count` entries
 BAD_VARINT = -4  # a varint longer than 10 bytes
 
-OP_XOR = 1
-OP_ADD = 2
-OP_OVERWRITE = 3
+# the wire ids (codec.coding) as plain ints: numba folds module-level ints as constants
+OP_XOR, OP_ADD, OP_OVERWRITE = int(Op.XOR), int(Op.ADD), int(Op.OVERWRITE)
+# Kernel-only (never a wire op id): ADD applied inversely, new = old - difference. XOR is its own
+# inverse, so undoing a delta needs just this one more op.
+OP_SUB = 16
 
-VAL_RAW = 1  # full words, little-endian
-VAL_VARINT = 2  # unsigned LEB128 varint (XOR values)
-VAL_ZIGZAG = 3  # zigzag LEB128 varint of the wrap-around difference (ADD values)
+VAL_RAW, VAL_VARINT, VAL_ZIGZAG = int(Values.RAW), int(Values.VARINT), int(Values.ZIGZAG)
 
 # Words examined per chunk by scan_changes: the chunk's nonzero-word list stays in L1.
 SCAN_CHUNK = 2048
@@ -228,6 +229,8 @@ def _combine(o, z, op, mask):
         return (o ^ z) & mask
     if op == OP_ADD:
         return (o + ((z >> _U1) ^ (mask if z & _U1 else _ZERO))) & mask
+    if op == OP_SUB:  # uint64 wraps, and the mask reduces mod 2^B: exactly undoes OP_ADD
+        return (o - ((z >> _U1) ^ (mask if z & _U1 else _ZERO))) & mask
     return z & mask
 
 
@@ -240,9 +243,12 @@ def _combine(o, z, op, mask):
 # while both words are in registers: the receiver then verifies in O(changed) with no second
 # pass over memory. dnew/dold are None or uint64[2]; numba compiles a variant per combination
 # and prunes the `is None` branches, so a caller that wants neither pays nothing. The sums are
-# written only on success. The words are not read back after writing: that proves what the
-# kernel wrote, not what memory holds, which is the same thing unless another view of the
-# target overlaps this one in memory (the receiver refuses such targets; see receive.py).
+# written only on success. The fold does not care which way a delta runs: applied inversely
+# (undoing it), "new" is the base's word it writes back and "old" the word it replaces, so the
+# held digest plus dnew - dold is the base's digest. The words are not read back after
+# writing: that proves what the kernel wrote, not what memory holds, which is the same thing
+# unless another view of the target overlaps this one in memory (the receiver refuses such
+# targets; see receive.py).
 
 
 @njit(cache=True, nogil=True, boundscheck=False, inline="always")
@@ -308,10 +314,14 @@ def apply_gap_stream(dst, gaps, op, codec, vals, count, mask, undo_pos, undo_val
     canonical element `first`.
 
     The loop is inlined once more for the usual (op, codec) pair with constant arguments, so
-    the compiler drops the per-element dispatch.
+    the compiler drops the per-element dispatch; and for its inverse (a rollback through
+    deltas), which runs in the pause too.
     """
     if op == OP_ADD and codec == VAL_ZIGZAG:
         return _gap_loop(dst, gaps, OP_ADD, VAL_ZIGZAG, vals, count, mask, undo_pos, undo_val,
+                         first, dnew, dold)
+    if op == OP_SUB and codec == VAL_ZIGZAG:
+        return _gap_loop(dst, gaps, OP_SUB, VAL_ZIGZAG, vals, count, mask, undo_pos, undo_val,
                          first, dnew, dold)
     return _gap_loop(dst, gaps, op, codec, vals, count, mask, undo_pos, undo_val, first, dnew, dold)
 

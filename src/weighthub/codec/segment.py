@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from enum import IntEnum
 
 import numpy as np
 
-from ..errors import FormatError, UnknownCodecError
+from ..errors import FormatError
 from ..tensors import (
     DType,
     digest_affine,
@@ -26,34 +25,7 @@ from ..tensors import (
     digest_sub,
 )
 from . import kernels as K
-
-
-class Op(IntEnum):
-    XOR = K.OP_XOR  # positions + XOR of the bit patterns; invertible, placement-agnostic
-    ADD = K.OP_ADD  # positions + wrap-around integer difference; invertible, placement-agnostic
-    OVERWRITE = K.OP_OVERWRITE  # positions + new words; idempotent
-    DENSE = 4  # every word of the range
-
-
-class Positions(IntEnum):
-    ALL = 0  # every element of the range (dense)
-    GAPS = 1  # varint gaps between consecutive changed positions
-    GROUPS = 2  # varint gaps within groups of equal old exponent (float dtypes)
-    BITMAP = 3  # one bit per element, little-endian bit order
-
-
-class Values(IntEnum):
-    RAW = K.VAL_RAW
-    VARINT = K.VAL_VARINT
-    ZIGZAG = K.VAL_ZIGZAG
-
-
-def parse_enum(kind: type[IntEnum], raw: int, where: str) -> IntEnum:
-    try:
-        return kind(raw)
-    except ValueError:
-        known = {m.name.lower(): m.value for m in kind}
-        raise UnknownCodecError(f"{where}: unknown {kind.__name__} id {raw}; known: {known}") from None
+from .coding import EncodePolicy, Op, Positions, Values, invertible
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,26 +46,10 @@ class Segment:
     def numel(self) -> int:
         return self.stop - self.start
 
-
-@dataclass(frozen=True, slots=True)
-class EncodePolicy:
-    """What encode_segment may choose from.
-
-    mask_ops: allow xor/add (the receiver's placement copies bits). False forces overwrite,
-      for placements that convert values (quantization, dtype casts).
-    groups: allow exponent-grouped positions (smaller, slower to decode).
-    group_probe: on large segments, first try groups on a few sample windows and build the full
-      grouped stream only if they beat plain gaps there (grouping costs a pass over every
-      element; on deltas whose changes do not depend on magnitude it never wins).
-    value_sample: choose the value coding from byte histograms of at most about this many
-      changed elements (evenly strided); 0 = all of them.
-    """
-
-    mask_ops: bool = True
-    groups: bool = True
-    min_group_count: int = 256  # below this the group table costs more than it saves
-    group_probe: bool = True
-    value_sample: int = 1 << 16
+    @property
+    def invertible(self) -> bool:
+        """Can `apply_segment(..., inverse=True)` undo this segment (see `invertible`)?"""
+        return invertible(self.op, self.positions)
 
 
 DEFAULT_POLICY = EncodePolicy()
@@ -286,8 +242,19 @@ def encode_segment_tracked(old: np.ndarray | None, new: np.ndarray, dtype: DType
 def _scan_limit(n: int) -> int:
     # Even at 50% changed a bitmap + small differences is far below dense (~0.2 vs 0.78 of the
     # bf16 bytes, measured at lr 1e-4), so only give up on the delta when nearly every word
-    # changed; the limit also bounds the scan's buffers (12 bytes per changed element).
-    return n - n // 16
+    # changed; the limit also bounds the scan's buffers (12 bytes per changed element). Small
+    # ranges (step counters, scalars, short biases) are always scanned: their buffers are tiny,
+    # and the size comparison in _encode still picks dense when that is smaller, but a counter
+    # that changes every step no longer forces a dense segment, which would make the whole delta
+    # impossible to undo on a rollback (catalog.invertible).
+    return n if n <= _ALWAYS_SCAN else n - n // 16
+
+
+_ALWAYS_SCAN = 4096  # elements
+# Bytes a sparse xor/add segment may cost beyond dense and still be chosen: it keeps the delta
+# invertible (a rollback undoes it instead of fetching a full version); only ties on tiny
+# ranges are decided by it.
+_INVERTIBLE_SLACK = 4
 
 
 def _encode(old: np.ndarray, new: np.ndarray, dtype: DType, tensor: int, start: int,
@@ -317,7 +284,13 @@ def _encode(old: np.ndarray, new: np.ndarray, dtype: DType, tensor: int, start: 
     pos_est, pos_codec, pos_bytes = min(candidates, key=lambda c: c[0])
 
     val_est, op, val_codec, val_bytes = _choose_values(ch, dtype, policy)
-    if pos_est + val_est >= dense_est:
+    if n <= _ALWAYS_SCAN:
+        # a small range's streams are too short for zstd to shrink (the estimates' fixed 16-byte
+        # table cost would make dense win for a lone changed counter): compare what is written
+        sparse_bytes, dense_bytes = float(pos_bytes.size + val_bytes.size), float(n * dtype.width)
+    else:
+        sparse_bytes, dense_bytes = pos_est + val_est, dense_est
+    if sparse_bytes >= dense_bytes + _INVERTIBLE_SLACK:
         return _dense_segment(tensor, start, new)
     return Segment(tensor, start, start + n, op, pos_codec, val_codec, int(pos.size),
                    pos_bytes, val_bytes)
@@ -468,7 +441,7 @@ def regap_segment(seg: Segment, base: np.ndarray, dtype: DType, where: str) -> S
 
 def apply_segment(seg: Segment, dst: np.ndarray, dtype: DType, undo: UndoLog,
                   where: str, *, dnew: np.ndarray | None = None,
-                  dold: np.ndarray | None = None) -> UndoEntry | None:
+                  dold: np.ndarray | None = None, inverse: bool = False) -> UndoEntry | None:
     """Apply a segment in place to dst (the bits of exactly [seg.start, seg.stop)).
 
     Every element changed is recorded in `undo` before a FormatError (corrupt streams) is
@@ -478,9 +451,20 @@ def apply_segment(seg: Segment, dst: np.ndarray, dtype: DType, undo: UndoLog,
     dnew / dold (uint64[2] or None): on success, the digest lanes (format/spec.md §4) of the
     words written / the words they replaced are added to them, computed in the same pass
     (kernels.py: the words are not read back).
+
+    inverse: undo the segment instead: dst holds the words it produced and gets back the words
+    it was encoded against (xor: the same XOR; add: the difference subtracted). Raises
+    FormatError for a segment that is not `invertible`, before touching dst.
     """
     if dst.size != seg.numel or dst.dtype != dtype.uint:
         raise ValueError(f"{where}: destination {dst.dtype}[{dst.size}] for {seg.numel} elements")
+    op = int(seg.op)
+    if inverse:
+        if not seg.invertible:
+            raise FormatError(f"{where}: a {seg.op.name.lower()}/{seg.positions.name.lower()} "
+                              "segment cannot be applied inversely (only xor/add with gaps or "
+                              "bitmap positions can)")
+        op = K.OP_SUB if seg.op == Op.ADD else op
     if seg.op == Op.DENSE:
         if seg.val_bytes.size != seg.numel * dtype.width:
             raise FormatError(f"{where}: dense segment has {seg.val_bytes.size} bytes, "
@@ -503,14 +487,14 @@ def apply_segment(seg: Segment, dst: np.ndarray, dtype: DType, undo: UndoLog,
     undo_pos = np.empty(seg.count, np.int64)
     undo_val = np.empty(seg.count, dtype.uint)
     if seg.positions == Positions.GAPS:
-        status, done = K.apply_gap_stream(dst, seg.pos_bytes, int(seg.op), int(seg.values),
+        status, done = K.apply_gap_stream(dst, seg.pos_bytes, op, int(seg.values),
                                           seg.val_bytes, seg.count, mask, undo_pos, undo_val,
                                           seg.start, dnew, dold)
     elif seg.positions == Positions.GROUPS:
         keys, counts, offset = _group_table(seg, dtype, where)
         status, done = K.apply_group_stream(
             dst, dtype.exponent_shift, np.uint64(dtype.exponent_mask), keys, counts,
-            seg.pos_bytes[offset:], int(seg.op), int(seg.values), seg.val_bytes, seg.count, mask,
+            seg.pos_bytes[offset:], op, int(seg.values), seg.val_bytes, seg.count, mask,
             undo_pos, undo_val, seg.start, dnew, dold)
     else:
         if seg.positions == Positions.BITMAP:
@@ -524,7 +508,7 @@ def apply_segment(seg: Segment, dst: np.ndarray, dtype: DType, undo: UndoLog,
                                   f"{seg.count}")
         else:
             raise FormatError(f"{where}: positions {seg.positions.name} with op {seg.op.name}")
-        status, done = K.apply_positions(dst, pos, int(seg.op), int(seg.values), seg.val_bytes,
+        status, done = K.apply_positions(dst, pos, op, int(seg.values), seg.val_bytes,
                                          seg.count, mask, undo_pos, undo_val, seg.start, dnew,
                                          dold)
     entry = UndoEntry(dst, undo_pos, undo_val, done)

@@ -1,6 +1,14 @@
-"""Wire formats: chunk frames and manifests. Parse and validate at the edge; see spec.md."""
+"""Wire formats: chunk frames and manifests. Parse and validate at the edge; see spec.md.
 
-from .chunk import FORMAT_VERSION, ChunkFrame, decode_chunk, encode_chunk
+Manifests load with the package; chunk frames on first use of one of their names: a frame
+decodes into codec segments (numba kernels), and reading manifests alone (`weighthub inspect`)
+must not pay numba's import (about a second).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from .manifest import (
     ChunkRef,
     Manifest,
@@ -9,6 +17,22 @@ from .manifest import (
     decode_manifest,
     encode_manifest,
 )
+
+if TYPE_CHECKING:
+    from .chunk import FORMAT_VERSION, ChunkFrame, decode_chunk, encode_chunk
+
+_FROM_CHUNK = frozenset({"FORMAT_VERSION", "ChunkFrame", "decode_chunk", "encode_chunk"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_CHUNK:
+        from . import chunk
+
+        value = getattr(chunk, name)
+        globals()[name] = value  # later lookups find it without coming here
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "FORMAT_VERSION",

@@ -18,7 +18,8 @@ import numpy as np
 import xxhash
 import zstandard
 
-from ..codec.segment import Op, Positions, Segment, Values, parse_enum
+from ..codec.coding import Op, Positions, Values, parse_enum
+from ..codec.segment import Segment
 from ..errors import ChecksumError, FormatError, FormatVersionError, LimitError
 
 MAGIC = b"WHCK"

@@ -3,9 +3,11 @@
 Lifecycle on a holder: `register(...)` once, `start_heartbeat()` (a daemon thread renews the lease
 every TTL/3 and reports what it holds and its load; `set_versions`/`set_load` change what the
 next heartbeat says), `stop()` at the end (leaves the hub). A publisher: `plan(v, publisher=me)`
-before streaming version v, `report_failed` when a relay node dies, `announce(...)` after the
-manifest's create-only write. Receivers: `sources(key, v)` (or `peer_sources(key)` as
-PeerStore's callable), `latest()`, `plan(v)`.
+before streaming version v, `report_failed` when a relay node dies, `announce_committed(store,
+v)` after the manifest's create-only write (a one-shot publisher, `weighthub publish --hub`,
+only announces). Receivers: `sources(key, v)` (or `peer_sources(key)` as PeerStore's callable),
+`latest()`, `plan(v)`. A hub that knows no version yet (nothing announced) answers `latest()`
+with None and `sources` with VersionNotFound: receivers then read the store, a normal state.
 
 Every call is bounded by `timeout` (connect, send and each read): a hub that does not answer
 raises PeerUnavailable naming its address; a refused token raises AuthError; the hub's other
@@ -24,8 +26,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .. import errors
-from ..errors import LimitError, NetError, PeerUnavailable, UsageError, WeighthubError
+from .. import catalog, errors
+from ..errors import LimitError, NetError, PeerUnavailable, UsageError, VersionNotFound, WeighthubError
+from ..format import chunk_checksum, decode_manifest
+from ..store.base import Store
 from .auth import AUTH_HEADER, body_digest, sign
 from .plan import RelayTree
 from .server import key_version
@@ -203,6 +207,25 @@ class HubClient:
                "manifest_sha256": manifest_sha256}
         return list(self._call("POST", "/v1/versions", doc)["released"])
 
+    def announce_committed(self, store: Store, version: int, *, publisher: str | None = None,
+                           manifest: bytes | None = None) -> list[int]:
+        """`announce` a version committed in `store`, with what nodes check it by.
+
+        Sends the primary manifest's key, the model id and root digest from it, and the SHA-256
+        of its bytes (`manifest`: those bytes, if the caller still has them; else read here).
+
+        Returns:
+            The versions the hub released for retention.
+        Raises:
+            What `announce` raises; the store's errors reading the manifest (ObjectNotFound:
+            `version` is not committed there); FormatError for a manifest that does not parse.
+        """
+        key = catalog.rep_key(version, None, primary=True)
+        raw = store.get(key) if manifest is None else manifest
+        m = decode_manifest(raw, where=f"{store.url}/{key}")
+        return self.announce(version, manifest_key=key, store_url=store.url, model_id=m.model,
+                             root=m.root, publisher=publisher, manifest_sha256=chunk_checksum(raw))
+
     def latest(self) -> int | None:
         return self._call("GET", "/v1/latest")["latest"]
 
@@ -254,6 +277,10 @@ class HubClient:
             return self.sources(key, key_version(key))
         except LimitError:
             return []  # not a version's key: only the store has it
+        except VersionNotFound:
+            # a normal state, not a failure: the hub knows no such version (it was published
+            # without announcing it, or released), so it knows no holders; the store has it
+            return []
         except WeighthubError as exc:
             if isinstance(exc, PeerUnavailable):
                 self._down_until = time.monotonic() + self.timeout

@@ -50,6 +50,7 @@ class ReadLeases:
         self._inflight = 0
         self._pending = False  # an apply waits: no new leases
         self._applying = False  # bits are changing: no reads
+        self.last_wait_s = 0.0  # how long the last begin_apply waited for readers
 
     def held_versions(self) -> list[int]:
         held = self.target.held()
@@ -95,10 +96,15 @@ class ReadLeases:
             self._cond.notify_all()
 
     def begin_apply(self) -> bool:
-        """Wait for readers (see module doc). True if every lease ended, False if some timed out."""
+        """Wait for readers (see module doc). True if every lease ended, False if some timed out.
+
+        `last_wait_s` then holds how long it waited (reported by holders; tests check the bound
+        on it rather than on the wall time of a whole sync, which a loaded machine stretches).
+        """
         with self._cond:
             self._pending = True
-            deadline = time.monotonic() + self.wait_s
+            started = time.monotonic()
+            deadline = started + self.wait_s
             while True:
                 now = time.monotonic()
                 live = any(exp > now for exp in self._leases.values())
@@ -108,6 +114,7 @@ class ReadLeases:
             self._leases.clear()
             self._pending = False
             self._applying = True
+            self.last_wait_s = now - started
             return not live
 
     def end_apply(self) -> None:

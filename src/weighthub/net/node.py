@@ -9,7 +9,10 @@ latest committed version, and one ChunkServer that makes it a source for others:
     follow     a relayed manifest (the publisher pushes it down the relay tree after the
                commit) wakes the node at once; otherwise it polls the hub's latest version every
                `poll_s` (a slow fallback: nodes outside the tree, a missed push, a dead hub), or
-               the store's listing when the hub does not answer. A relayed manifest is used only
+               the store's listing when the hub does not answer or knows no version yet (a
+               normal state, not warned about: nothing was announced, e.g. versions published
+               without `--hub`; once the hub knows one, its latest is followed, so publish
+               every version with `--hub`). A relayed manifest is used only
                if it hashes to the SHA-256 the hub recorded for that version: then a one-step
                refit reads nothing from the store (`PeerStore.trusted_route`)
     sync       no weights yet: elastic join, the version's dense bits striped over the nearest
@@ -284,6 +287,8 @@ class Node:
         try:
             found = self.hub.sources(f"{catalog.version_dir(version)}/dense", version,  # type: ignore[union-attr]
                                      dense=True)
+        except VersionNotFound:
+            return []  # the hub knows no such version (not announced): no holders, the store has it
         except WeighthubError as exc:
             self._hub_failed(exc)
             return []

@@ -27,13 +27,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from .. import catalog
 from ..errors import WeighthubError
-from ..format import chunk_checksum, decode_manifest
 from ..publish import Publisher, PublishResult
 from ..store.base import Store
 from . import wire
@@ -48,14 +47,20 @@ PROBE = Timeouts(connect=1.0, io=2.0, deadline=3.0)
 
 
 @dataclass(frozen=True, slots=True)
-class NetPublishResult:
-    """A publish plus what the relay did: nodes planned, pushes, nodes declared dead."""
+class NetPublishResult(PublishResult):
+    """A PublishResult (every field of it: version, base, payload_bytes, changed_fraction, ...)
+    plus what the relay did: nodes planned, pushes, nodes declared dead, the announcement."""
 
-    result: PublishResult
-    planned: int  # nodes in the relay tree at the start
-    pushed: int  # chunk pushes to roots (each reaches a whole subtree)
-    dead: tuple[str, ...]  # node ids reported failed during this refit
-    announced: bool  # the hub acknowledged the commit
+    planned: int = 0  # nodes in the relay tree at the start
+    pushed: int = 0  # chunk pushes to roots (each reaches a whole subtree)
+    dead: tuple[str, ...] = ()  # node ids reported failed during this refit
+    announced: bool = False  # the hub acknowledged the commit
+
+    @classmethod
+    def of(cls, result: PublishResult, *, planned: int, pushed: int, dead: tuple[str, ...],
+           announced: bool) -> NetPublishResult:
+        return cls(**{f.name: getattr(result, f.name) for f in fields(PublishResult)},
+                   planned=planned, pushed=pushed, dead=dead, announced=announced)
 
 
 class _CommitHook:
@@ -157,6 +162,7 @@ class NetPublisher:
     def publish(self, state: Mapping[str, torch.Tensor]) -> NetPublishResult:
         """Commit `state` as the next version, relayed while encoding; announce it to the hub.
 
+        Returns a NetPublishResult: the Publisher's PublishResult fields plus the relay's.
         Raises what `Publisher.publish` raises (the store's errors, ModelMismatch, ObjectExists);
         never a hub or relay failure.
         """
@@ -174,7 +180,8 @@ class NetPublisher:
             dead, committed, self._committed = tuple(self._dead), self._committed, None
         if announced and committed is not None and committed[1]:
             self.tee.push_object(catalog.rep_key(result.version, None, primary=True), *committed)
-        return NetPublishResult(result, planned, self.tee.pushed - pushed0, dead, announced)
+        return NetPublishResult.of(result, planned=planned, pushed=self.tee.pushed - pushed0,
+                                   dead=dead, announced=announced)
 
     def _start_relay(self, version: int) -> int:
         plan: Plan | None = None
@@ -261,13 +268,8 @@ class NetPublisher:
             return False
         with self._lock:
             raw = self._committed[0] if self._committed is not None else None
-        key = catalog.rep_key(version, None, primary=True)
         try:
-            if raw is None:
-                raw = self.store.get(key)
-            m = decode_manifest(raw, where=f"{self.store.url}/{key}")
-            self.hub.announce(version, manifest_key=key, store_url=self.store.url, model_id=m.model,
-                              root=m.root, publisher=self.id, manifest_sha256=chunk_checksum(raw))
+            self.hub.announce_committed(self.store, version, publisher=self.id, manifest=raw)
             self.hub.set_versions(self.server.versions())
             return True
         except WeighthubError as exc:

@@ -61,7 +61,7 @@ def open_store(url: str, **options: Any) -> Store:
     """A store from a URL: a directory path, file://PATH, s3://BUCKET/PREFIX, or memory://NAME.
 
     options go to the backend's constructor (for s3://: endpoint_url, timeouts, … see S3Store).
-    s3:// imports boto3 only when used, so the core does not depend on it.
+    s3:// imports botocore only when used, so the core does not depend on it.
     """
     from .local import LocalStore
     from .memory import MemoryStore

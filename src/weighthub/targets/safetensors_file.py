@@ -5,6 +5,11 @@ What the file holds is recorded in a sidecar (`X.safetensors.weighthub.json` nex
 materialized under a temporary name and renamed into place at commit, so a failed pull leaves
 no file behind. While an in-place update runs the sidecar says "applying": a pull that finds
 that state (a crashed process) re-materializes the file rather than trusting mixed bits.
+
+The sidecar also records each data file's size and mtime at commit. A file whose size or
+mtime changed since was modified outside weighthub: its bits are not trusted as the version
+(BaseMismatch), and neither is a path weighthub did not write replaced (UsageError), unless
+the target is opened with `overwrite=True` (`weighthub pull --force`).
 """
 
 from __future__ import annotations
@@ -18,18 +23,22 @@ import struct
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
 import torch
 
-from ..errors import FormatError, LimitError, UnknownCodecError, UsageError
+from ..errors import BaseMismatch, FormatError, LimitError, UnknownCodecError, UsageError
 from ..tensors import TensorSpec, dtype_named
 from .base import Held
 
 MAX_HEADER_BYTES = 100 << 20
 SIDECAR_FILE_SUFFIX = ".weighthub.json"
 SIDECAR_DIR_NAME = "weighthub.json"
+# A directory OUT holds one data file: manifests describe tensors, not the files a checkpoint
+# was published from, so a sharded checkpoint comes back as this one file (same names, bits)
+DIR_DATA_FILE = "model.safetensors"
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,16 +49,29 @@ class _Entry:
 
 
 def read_header(path: Path) -> list[_Entry]:
-    """Parse and validate a safetensors header (before mapping anything)."""
+    """Parse and validate a safetensors header (before mapping anything).
+
+    Raises:
+        UsageError: the file cannot be read.
+        LimitError, FormatError: it is not a safetensors file, or a corrupt one.
+    """
+    header, data_start, size = _header_object(path)
+    return _entries(path, header, data_start, size)
+
+
+def _header_object(path: Path) -> tuple[dict[str, Any], int, int]:
+    """The header's JSON object, where the data starts, and the file's size."""
     try:
         size = path.stat().st_size
         with path.open("rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise FormatError(f"{path}: truncated safetensors file ({size} bytes)")
+                raise FormatError(f"{path}: {size} bytes, too short for a safetensors file (its "
+                                  "first 8 bytes are the header's length)")
             (n,) = struct.unpack("<Q", head)
             if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise LimitError(f"{path}: safetensors header of {n} bytes in a {size}-byte file")
+                raise LimitError(f"{path}: its first 8 bytes declare a safetensors header of {n} "
+                                 f"bytes, in a {size}-byte file")
             raw = f.read(n)
     except OSError as exc:
         raise UsageError(f"cannot read {path}: {exc.strerror}") from exc
@@ -59,7 +81,10 @@ def read_header(path: Path) -> list[_Entry]:
         raise FormatError(f"{path}: safetensors header is not JSON: {exc}") from exc
     if not isinstance(header, dict):
         raise FormatError(f"{path}: safetensors header is not an object")
-    data_start = 8 + n
+    return header, 8 + n, size
+
+
+def _entries(path: Path, header: dict[str, Any], data_start: int, size: int) -> list[_Entry]:
     entries = []
     spans = []
     for name, info in header.items():
@@ -95,6 +120,15 @@ def _files_of(path: Path) -> list[Path]:
     return [path]
 
 
+def _file_stats(where: Path) -> dict[str, list[int]]:
+    """Size and mtime (ns) of each data file at `where` (OUT, or its temporary), by name."""
+    out = {}
+    for f in _files_of(where):
+        st = f.stat()
+        out[f.name] = [st.st_size, st.st_mtime_ns]
+    return out
+
+
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """Read a .safetensors file or a directory of them into CPU tensors (copies, not maps:
     a later in-place pull into the same file must not change tensors already loaded)."""
@@ -106,7 +140,13 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         raise UsageError(f"{p} holds no .safetensors files")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        for e in read_header(f):
+        try:
+            header = _header_object(f)
+        except FormatError as exc:  # a .bin, a .pt, a text file: the caller named the wrong file
+            detail = str(exc).removeprefix(f"{f}: ")
+            raise UsageError(f"{f} is not a safetensors file ({detail}); give a .safetensors file "
+                             "or a directory of them") from None
+        for e in _entries(f, *header):
             if e.spec.name in state:
                 raise FormatError(f"{f}: tensor {e.spec.name!r} appears in two files")
             words = np.fromfile(f, dtype=e.spec.dtype.uint, count=e.spec.numel, offset=e.offset)
@@ -121,14 +161,25 @@ class _Sidecar(msgspec.Struct):
     version: int
     root: str
     state: str  # "committed" | "applying"
+    # data file name → [size, mtime in ns] at commit; empty in sidecars older than this field
+    # (those are trusted as before)
+    files: dict[str, list[int]] = {}
 
 
 class SafetensorsTarget:
-    """OUT as a `.safetensors` file (path ends with .safetensors) or a directory of them."""
+    """OUT as a `.safetensors` file (path ends with .safetensors) or a directory of them.
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    Args:
+        path: OUT. A directory gets one file, DIR_DATA_FILE, when materialized.
+        overwrite: replace a file OUT that weighthub did not write, and rewrite (rather than
+            refuse) one modified outside weighthub. A directory holding files weighthub did not
+            write is refused even so: replacing it would delete them.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> None:
         self.path = Path(path).absolute()
         self.is_file = self.path.suffix == ".safetensors"
+        self.overwrite = overwrite
         self._maps: list[np.memmap] = []
         self._tmp: Path | None = None
         self._applying = False  # this instance marked the sidecar "applying" (see abort)
@@ -159,10 +210,55 @@ class SafetensorsTarget:
 
     # -- Target protocol ----------------------------------------------------------------------
     def held(self) -> Held | None:
+        """The committed version OUT holds, or None: it holds nothing and is materialized.
+
+        Raises:
+            UsageError: OUT holds files weighthub did not write (refused before any fetch).
+            BaseMismatch: OUT's files changed size or mtime since weighthub committed them, so
+                its bits are not trusted as the version (unless `overwrite`: then it holds
+                nothing and is rewritten from the store).
+        """
         side = self._read_sidecar()
-        if side is None or side.state != "committed" or not self.exists():
+        if side is None:
+            self._check_replaceable()
             return None
-        return Held(side.store, side.model, side.version, side.root)
+        if side.state != "committed" or not self.exists():
+            return None
+        changed = self._changed_since(side)
+        if changed is None:
+            return Held(side.store, side.model, side.version, side.root)
+        if self.overwrite:
+            return None
+        raise BaseMismatch(f"{self.path} was modified outside weighthub after it was pulled to "
+                           f"version {side.version} ({changed}: size or mtime differ from "
+                           f"{self.sidecar.name}); pull with --force to rewrite it from the store")
+
+    def _check_replaceable(self) -> None:
+        """Refuse to materialize over files weighthub did not write: a readable sidecar (and,
+        in a directory, nothing but .safetensors files beside it) marks what it wrote."""
+        if self.is_file:
+            if self.path.exists() and self._read_sidecar() is None and not self.overwrite:
+                raise UsageError(f"{self.path} exists and was not written by weighthub (no "
+                                 f"{self.sidecar.name} beside it); pull with --force to replace "
+                                 "it, or pull into another path")
+        elif self.path.is_dir() and any(self.path.iterdir()) and not self._owned_directory():
+            raise UsageError(f"{self.path} is a non-empty directory that holds no weighthub "
+                             "version; remove it or pull into another path")
+
+    def _changed_since(self, side: _Sidecar) -> str | None:
+        """The first data file whose size or mtime is not what the sidecar recorded, or None.
+
+        Cheap enough for every held() (a stat per file). Blind to an edit that keeps the size
+        within the filesystem's timestamp granularity of weighthub's own last write; a delta
+        pull still proves the held bits first (verify_base), and `weighthub verify` all of them.
+        """
+        if not side.files:
+            return None
+        now = _file_stats(self.path)
+        for name in sorted(set(now) | set(side.files)):
+            if now.get(name) != side.files.get(name):
+                return name
+        return None
 
     def specs(self) -> list[TensorSpec] | None:
         if self.held() is None:
@@ -201,6 +297,7 @@ class SafetensorsTarget:
                 self.sidecar.unlink(missing_ok=True)
                 os.replace(tmp, self.path)
             else:
+                side.files = _file_stats(tmp)  # renaming the directory keeps its files' mtimes
                 self._write_sidecar(side, tmp / SIDECAR_DIR_NAME)
                 old = None
                 if self.path.exists() and any(self.path.iterdir()):
@@ -211,6 +308,7 @@ class SafetensorsTarget:
                 if old is not None:
                     shutil.rmtree(old, ignore_errors=True)
                 return
+        side.files = _file_stats(self.path)
         self._write_sidecar(side)
 
     def abort(self) -> None:
@@ -223,6 +321,7 @@ class SafetensorsTarget:
         side = self._read_sidecar()
         if side is not None and side.state == "applying":
             side.state = "committed"  # the receiver rolled the bits back before calling abort
+            side.files = _file_stats(self.path)  # rolling back wrote them: a new mtime
             self._write_sidecar(side)
 
     # -- helpers ------------------------------------------------------------------------------
@@ -268,10 +367,7 @@ class SafetensorsTarget:
         return views
 
     def _materialize(self, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
-        if not self.is_file and self.path.exists() and any(self.path.iterdir()) \
-                and not self._owned_directory():
-            raise UsageError(f"{self.path} is a non-empty directory that holds no weighthub "
-                             "version; remove it or pull into another path")
+        self._check_replaceable()  # again: held() does not see every path (a crashed apply's)
         token = uuid.uuid4().hex[:8]
         if self.is_file:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -280,7 +376,7 @@ class SafetensorsTarget:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._tmp = self.path.with_name(f".{self.path.name}.tmp-{token}")
             self._tmp.mkdir()
-            file = self._tmp / "model.safetensors"
+            file = self._tmp / DIR_DATA_FILE
         write_empty_safetensors(file, specs)
         return self._map([file])
 
@@ -305,4 +401,4 @@ def write_empty_safetensors(path: Path, specs: list[TensorSpec]) -> None:
         f.truncate(8 + len(raw) + offset)
 
 
-__all__ = ["SafetensorsTarget", "load_checkpoint", "write_empty_safetensors"]
+__all__ = ["DIR_DATA_FILE", "SafetensorsTarget", "load_checkpoint", "write_empty_safetensors"]

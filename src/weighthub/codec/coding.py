@@ -1,0 +1,102 @@
+"""The codings' names and wire ids (op, positions, values; format/spec.md §2), and the policies
+that choose among them (`EncodePolicy`, the named `ENCODE_PROFILES`).
+
+Plain data, apart from the kernels that run the codings: manifests name codings
+("xor/gaps/varint"), chunk tables carry their ids and `weighthub publish --encode` lists the
+profiles, and none of that may import numba (or torch), which cost seconds per process
+(`weighthub inspect` reads manifests only). The kernels take these ids as compile-time
+constants (codec/kernels.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+from ..errors import UnknownCodecError
+
+
+class Op(IntEnum):
+    XOR = 1  # positions + XOR of the bit patterns; invertible, placement-agnostic
+    ADD = 2  # positions + wrap-around integer difference; invertible, placement-agnostic
+    OVERWRITE = 3  # positions + new words; idempotent
+    DENSE = 4  # every word of the range
+
+
+class Positions(IntEnum):
+    ALL = 0  # every element of the range (dense)
+    GAPS = 1  # varint gaps between consecutive changed positions
+    GROUPS = 2  # varint gaps within groups of equal old exponent (float dtypes)
+    BITMAP = 3  # one bit per element, little-endian bit order
+
+
+class Values(IntEnum):
+    RAW = 1  # full words, little-endian
+    VARINT = 2  # unsigned LEB128 varint (XOR values)
+    ZIGZAG = 3  # zigzag LEB128 varint of the wrap-around difference (ADD values)
+
+
+# What can be applied inversely (a version back to its base, format/spec.md §2): xor and add
+# words can be recovered from the new word and the value, overwrite and dense words cannot; and
+# positions must be decodable without the base's bits, which exponent-grouped positions are not
+# (they rank elements by the base word's exponent, and the new word's may differ).
+_INVERTIBLE_OPS = frozenset({Op.XOR, Op.ADD})
+_INVERTIBLE_POSITIONS = frozenset({Positions.GAPS, Positions.BITMAP})
+
+
+def invertible(op: Op, positions: Positions) -> bool:
+    """Can a segment of this op and position coding be applied inversely (new → old)?"""
+    return op in _INVERTIBLE_OPS and positions in _INVERTIBLE_POSITIONS
+
+
+def coding_invertible(name: str) -> bool:
+    """`invertible` for a coding as manifests name it ("op/positions/values", e.g.
+    "xor/gaps/varint"). An unknown or malformed name is not invertible."""
+    op, _, rest = name.partition("/")
+    positions = rest.partition("/")[0]
+    try:
+        return invertible(Op[op.upper()], Positions[positions.upper()])
+    except KeyError:
+        return False
+
+
+def parse_enum(kind: type[IntEnum], raw: int, where: str) -> IntEnum:
+    try:
+        return kind(raw)
+    except ValueError:
+        known = {m.name.lower(): m.value for m in kind}
+        raise UnknownCodecError(f"{where}: unknown {kind.__name__} id {raw}; known: {known}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class EncodePolicy:
+    """What encode_segment may choose from.
+
+    mask_ops: allow xor/add (the receiver's placement copies bits). False forces overwrite,
+      for placements that convert values (quantization, dtype casts).
+    groups: allow exponent-grouped positions (smaller, slower to decode).
+    group_probe: on large segments, first try groups on a few sample windows and build the full
+      grouped stream only if they beat plain gaps there (grouping costs a pass over every
+      element; on deltas whose changes do not depend on magnitude it never wins).
+    value_sample: choose the value coding from byte histograms of at most about this many
+      changed elements (evenly strided); 0 = all of them.
+    """
+
+    mask_ops: bool = True
+    groups: bool = True
+    min_group_count: int = 256  # below this the group table costs more than it saves
+    group_probe: bool = True
+    value_sample: int = 1 << 16
+
+
+# Named encoder policies (Publisher(policy=...), `weighthub publish --encode NAME`). Measured on
+# 2 cores with the shaped bench's real delta (MiniLM lr 3e-6 step 2→3 tiled to 520 MiB, 1.3% of
+# the words changed): "compact" (the default: exponent-grouped positions where a probe says they
+# pay) sends 3.37 MiB and publishes in ~530 ms; "fast" (plain gaps) sends 3.97 MiB (+18%) in
+# ~360 ms, and its receivers skip the grouped-position decode while staging (an O(model) scan
+# of the held bits, ~0.3 s here). On a 1 Gbit/s link the 0.6 MiB cost ~5 ms: "fast" is the
+# better choice there. On deltas whose change does not depend on magnitude both send the same.
+ENCODE_PROFILES: dict[str, EncodePolicy] = {
+    "compact": EncodePolicy(),
+    "fast": EncodePolicy(groups=False),
+}
