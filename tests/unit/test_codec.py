@@ -1,8 +1,9 @@
 """Property tests of the delta codec: every dtype, every op and position coding, bit-exact.
 
 Bits are compared through unsigned integer views only (never float equality: NaN, -0.0).
-A small reference encoder written from spec.md builds segments with each coding forced, so the
-decoder is tested against the spec independently of what the encoder happens to choose.
+The reference encoder in tests/reference_codec.py (written from spec.md) builds segments with
+each coding forced, so the decoder is tested against the spec independently of what the
+encoder happens to choose.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bit_patterns import random_bits, special_patterns
+from reference_codec import OP_FOR, leb128, make_pair, ref_segment, u8
 from weighthub.codec import (
     EncodePolicy,
     Op,
@@ -33,105 +35,7 @@ FLOATS = [d for d in DTYPES if d.is_float]
 DENSITIES = [0.0, 1e-3, 0.01, 0.05, 0.2, 0.5, 0.9, 1.0]
 
 
-# --- reference encoder (spec.md, written independently of the kernels) ----------------------
-
-
-def leb128(v: int) -> bytes:
-    out = bytearray()
-    while v >= 0x80:
-        out.append((v & 0x7F) | 0x80)
-        v >>= 7
-    out.append(v)
-    return bytes(out)
-
-
-def u8(b: bytes) -> np.ndarray:
-    return np.frombuffer(b, np.uint8).copy()
-
-
-def ref_gaps(pos: np.ndarray) -> bytes:
-    prev, out = -1, bytearray()
-    for p in pos.tolist():
-        out += leb128(p - prev - 1)
-        prev = p
-    return bytes(out)
-
-
-def ref_groups(old: np.ndarray, pos: np.ndarray, dtype: DType) -> bytes:
-    keys = ((old.astype(np.uint64) >> np.uint64(dtype.exponent_shift))
-            & np.uint64(dtype.exponent_mask)).astype(np.int64)
-    seen: dict[int, int] = {}
-    ranks = {}
-    changed = set(pos.tolist())
-    per_group: dict[int, list[int]] = {}
-    for i, k in enumerate(keys.tolist()):
-        r = seen.get(k, 0)
-        if i in changed:
-            ranks[i] = r
-            per_group.setdefault(k, []).append(r)
-        seen[k] = r + 1
-    out = bytearray(leb128(len(per_group)))
-    for k in sorted(per_group):
-        out += leb128(k) + leb128(len(per_group[k]))
-    for k in sorted(per_group):
-        prev = -1
-        for r in per_group[k]:
-            out += leb128(r - prev - 1)
-            prev = r
-    return bytes(out)
-
-
-def ref_bitmap(n: int, pos: np.ndarray) -> bytes:
-    mask = np.zeros(n, np.bool_)
-    mask[pos] = True
-    return np.packbits(mask, bitorder="little").tobytes()
-
-
-def ref_values(old: np.ndarray, new: np.ndarray, pos: np.ndarray, codec: Values, dtype: DType) -> bytes:
-    bits = 8 * dtype.width
-    if codec == Values.RAW:
-        return new[pos].astype(np.dtype(dtype.uint).newbyteorder("<")).tobytes()
-    out = bytearray()
-    for o, n in zip(old[pos].tolist(), new[pos].tolist(), strict=True):
-        if codec == Values.VARINT:
-            out += leb128(o ^ n)
-        else:
-            d = (n - o) % (1 << bits)
-            s = d - (1 << bits) if d >> (bits - 1) else d  # the signed difference
-            out += leb128(2 * s if s >= 0 else -2 * s - 1)
-    return bytes(out)
-
-
-OP_FOR = {Values.VARINT: Op.XOR, Values.ZIGZAG: Op.ADD, Values.RAW: Op.OVERWRITE}
-
-
-def ref_segment(old: np.ndarray, new: np.ndarray, dtype: DType, positions: Positions,
-                values: Values, start: int = 0) -> Segment:
-    pos = np.flatnonzero(old != new)
-    if positions == Positions.GAPS:
-        pb = ref_gaps(pos)
-    elif positions == Positions.GROUPS:
-        pb = ref_groups(old, pos, dtype)
-    else:
-        pb = ref_bitmap(old.size, pos)
-    return Segment(0, start, start + old.size, OP_FOR[values], positions, values, int(pos.size),
-                   u8(pb), u8(ref_values(old, new, pos, values, dtype)))
-
-
-# --- generators ------------------------------------------------------------------------------
-
-
-def make_pair(dtype: DType, seed: int, n: int, density: float) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    old = random_bits(rng, dtype, n)
-    new = old.copy()
-    change = rng.random(n) < density
-    new[change] = random_bits(rng, dtype, int(change.sum()), special_frac=0.3)
-    if dtype.name != "BOOL" and change.any() and rng.random() < 0.5:
-        # mostly ±1 ulp moves, as RL steps make them (wrap-around at the ends is fine)
-        step = rng.choice(np.array([1, (1 << (8 * dtype.width)) - 1], np.uint64), int(change.sum()))
-        new[change] = (old[change].astype(np.uint64) + step).astype(dtype.uint)
-    return old, new
+# --- checks ----------------------------------------------------------------------------------
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:

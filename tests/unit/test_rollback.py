@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import weighthub.receive as receive_mod
-from bit_patterns import random_bits
+from reference_codec import make_pair, ref_segment, u8
 from weighthub import catalog
 from weighthub.codec import (
     EncodePolicy,
@@ -42,59 +42,6 @@ SPAN = 16 << 10  # small chunks: several chunks and segments per version
 # --- codec: inverse apply, property-tested --------------------------------------------------
 
 
-def _leb128(v: int) -> bytes:
-    out = bytearray()
-    while v >= 0x80:
-        out.append((v & 0x7F) | 0x80)
-        v >>= 7
-    out.append(v)
-    return bytes(out)
-
-
-def _u8(b: bytes) -> np.ndarray:
-    return np.frombuffer(b, np.uint8).copy()
-
-
-def ref_segment(old: np.ndarray, new: np.ndarray, dtype: DType, op: Op, positions: Positions,
-                values: Values, start: int = 0) -> Segment:
-    """A segment coded as spec.md §2 says, written independently of the encoder."""
-    pos = np.flatnonzero(old != new)
-    if positions == Positions.GAPS:
-        prev, pb = -1, bytearray()
-        for p in pos.tolist():
-            pb += _leb128(p - prev - 1)
-            prev = p
-    else:
-        mask = np.zeros(old.size, np.bool_)
-        mask[pos] = True
-        pb = bytearray(np.packbits(mask, bitorder="little").tobytes())
-    width = 8 * dtype.width
-    vb = bytearray()
-    for o, n in zip(old[pos].tolist(), new[pos].tolist(), strict=True):
-        z = o ^ n if op == Op.XOR else (n - o) % (1 << width)
-        if op == Op.ADD:
-            s = z - (1 << width) if z >> (width - 1) else z  # the signed difference
-            z = 2 * s if s >= 0 else -2 * s - 1
-        if values == Values.RAW:  # a raw word holds the value (masked to the width)
-            vb += (z % (1 << width)).to_bytes(dtype.width, "little")
-        else:
-            vb += _leb128(z)
-    return Segment(0, start, start + old.size, op, positions, values, int(pos.size),
-                   _u8(bytes(pb)), _u8(bytes(vb)))
-
-
-def make_pair(dtype: DType, seed: int, n: int, density: float) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    old = random_bits(rng, dtype, n)
-    new = old.copy()
-    change = rng.random(n) < density
-    new[change] = random_bits(rng, dtype, int(change.sum()), special_frac=0.3)
-    if dtype.name != "BOOL" and change.any() and rng.random() < 0.5:  # ±1 ulp, wrapping
-        step = rng.choice(np.array([1, (1 << (8 * dtype.width)) - 1], np.uint64), int(change.sum()))
-        new[change] = (old[change].astype(np.uint64) + step).astype(dtype.uint)
-    return old, new
-
-
 def same(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and np.array_equal(a, b)
 
@@ -113,7 +60,7 @@ def test_inverse_apply_restores_the_old_bits_and_digest(dtype: DType, seed: int,
                                                         coding: tuple[Op, Values],
                                                         start: int) -> None:
     old, new = make_pair(dtype, seed, n, density)
-    seg = ref_segment(old, new, dtype, coding[0], positions, coding[1], start)
+    seg = ref_segment(old, new, dtype, positions, coding[1], start, op=coding[0])
     assert seg.invertible
     fwd = old.copy()
     apply_segment(seg, fwd, dtype, UndoLog(), "fwd")
@@ -157,7 +104,7 @@ def test_non_invertible_segments_are_refused_untouched(op: Op, positions: Positi
                                                        values: Values) -> None:
     dtype = next(d for d in DTYPES if d.name == "BF16")
     dst = np.arange(64, dtype=np.uint16)
-    seg = Segment(0, 0, 64, op, positions, values, 1, _u8(b"\x05"), _u8(b"\x01\x00" * 64))
+    seg = Segment(0, 0, 64, op, positions, values, 1, u8(b"\x05"), u8(b"\x01\x00" * 64))
     assert not seg.invertible
     undo = UndoLog()
     with pytest.raises(FormatError, match="cannot be applied inversely"):

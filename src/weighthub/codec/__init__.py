@@ -7,8 +7,9 @@ them (as `weighthub inspect` does) must not pay numba's import (about a second).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ..lazy import lazy_exports
 from .coding import EncodePolicy, Op, Positions, Values, coding_invertible, invertible
 
 if TYPE_CHECKING:
@@ -29,14 +30,7 @@ _FROM_SEGMENT = frozenset({
 })
 
 
-def __getattr__(name: str) -> Any:
-    if name in _FROM_SEGMENT:
-        from . import segment
-
-        value = getattr(segment, name)
-        globals()[name] = value  # later lookups find it without coming here
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(globals(), "segment", _FROM_SEGMENT)
 
 
 __all__ = [

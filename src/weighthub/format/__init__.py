@@ -7,8 +7,9 @@ must not pay numba's import (about a second).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ..lazy import lazy_exports
 from .manifest import (
     ChunkRef,
     Manifest,
@@ -24,14 +25,7 @@ if TYPE_CHECKING:
 _FROM_CHUNK = frozenset({"FORMAT_VERSION", "ChunkFrame", "decode_chunk", "encode_chunk"})
 
 
-def __getattr__(name: str) -> Any:
-    if name in _FROM_CHUNK:
-        from . import chunk
-
-        value = getattr(chunk, name)
-        globals()[name] = value  # later lookups find it without coming here
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(globals(), "chunk", _FROM_CHUNK)
 
 
 __all__ = [
