@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from deadlines import PROCESS_S
+
 from weighthub.net.auth import AUTH_HEADER, body_digest, sign
 
 START_TIMEOUT_S = PROCESS_S

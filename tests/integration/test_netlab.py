@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from deadlines import PROCESS_S
+
 from weighthub.bench.netlab import NetLab, child_env, list_namespaces, measure_throughput
 from weighthub.bench.seaweed import GRPC_SOCKET, SeaweedServer
 from weighthub.errors import StoreUnavailable, UsageError

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 import torch
 import xxhash
-
 from deadlines import PROCESS_S
+
 from weighthub import catalog
 from weighthub.errors import ChecksumError
 from weighthub.publish import Publisher
