@@ -10,9 +10,9 @@
     weighthub bench                   payload, entropy bounds, throughput and projected refit
                                       time on real and synthetic trajectories (weighthub.bench)
     weighthub serve hub               the hub: versions, holders, leases, sources, relay plans
-                                      (weighthub.net.hub); prints its address, stops on SIGTERM
+                                      (weighthub.cluster.hub); prints its address, stops on SIGTERM
     weighthub serve node STORE OUT    a rollout worker's daemon: follows the hub's versions into
-                                      OUT, serves and relays what it holds (weighthub.net.node)
+                                      OUT, serves and relays what it holds (weighthub.cluster.node)
 
 STORE is a directory path, a file:// URI or s3://BUCKET/PREFIX (credentials and endpoint from
 the standard AWS_* variables, or --endpoint-url). Exit codes: 0 ok, 1 verify mismatch, 2 usage error,
@@ -108,8 +108,8 @@ def _publish_hub(args: argparse.Namespace) -> Any:
         if args.secret_file is not None:
             raise UsageError("--secret-file is the hub's secret: pass it with --hub HOST:PORT")
         return None
+    from .cluster.hubclient import HubClient
     from .net.auth import load_secret  # lazily: only publishes to a hub need the net modules
-    from .net.hubclient import HubClient
 
     return HubClient(args.hub, load_secret(args.secret_file), timeout=args.hub_timeout)
 
@@ -266,7 +266,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_serve_hub(args: argparse.Namespace) -> int:
     try:  # lazily: the hub's HTTP server needs aiohttp, which the core does not
-        from .net import hub
+        from .cluster import hub
     except ImportError as exc:
         raise UsageError(f"the hub is not available in this install ({exc}); "
                          "pip install 'weighthub[net]' (aiohttp)") from exc
@@ -275,20 +275,20 @@ def cmd_serve_hub(args: argparse.Namespace) -> int:
 
 
 def cmd_serve_node(args: argparse.Namespace) -> int:
-    from .net import node
+    from .cluster import node
 
     node.run_from_args(args)
     return EXIT_OK
 
 
 def _hub_arguments(p: argparse.ArgumentParser) -> None:
-    from .net import hubcore
+    from .cluster import hubcore
 
     hubcore.add_arguments(p)
 
 
 def _node_arguments(p: argparse.ArgumentParser) -> None:
-    from .net import node  # the receiver, targets, torch and numba: only for `serve node`
+    from .cluster import node  # the receiver, targets, torch and numba: only for `serve node`
 
     node.add_arguments(p)
 
@@ -340,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after the commit, announce the version to this hub (`weighthub serve hub`) "
                         "so the nodes following it sync to it. Announce only: this one-shot process "
                         "serves and relays nothing (nodes fetch from each other and the store; a "
-                        "trainer that relays uses weighthub.net.publisher.NetPublisher). Exit 4: "
+                        "trainer that relays uses weighthub.cluster.publisher.NetPublisher). Exit 4: "
                         "committed, but the hub did not take the announcement")
     s.add_argument("--secret-file", default=None, metavar="F",
                    help="the hub's shared secret, for --hub (default: $WEIGHTHUB_SECRET)")

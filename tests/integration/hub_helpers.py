@@ -1,6 +1,6 @@
 """Hub processes for tests: start `weighthub serve hub` on loopback, read its address, kill it.
 
-`HubProcess.start` runs `python -m weighthub.net.hub` (the same code as `weighthub serve hub`
+`HubProcess.start` runs `python -m weighthub.cluster.hub` (the same code as `weighthub serve hub`
 without the CLI's torch imports, so it starts in about a second; `cli=True` runs the real
 console command) and waits for the "listening on host:port" line. `stop()` sends SIGTERM and
 waits; `kill()` is kill -9. `silent_server()` accepts connections and never answers.
@@ -49,7 +49,7 @@ class HubProcess:
     @classmethod
     def start(cls, db: Path, secret_file: Path, *, lease_ttl: float = 10.0, retain: int = 8,
               fanout: int = 4, port: int = 0, cli: bool = False) -> HubProcess:
-        entry = ["-m", "weighthub.cli", "serve", "hub"] if cli else ["-m", "weighthub.net.hub"]
+        entry = ["-m", "weighthub.cli", "serve", "hub"] if cli else ["-m", "weighthub.cluster.hub"]
         cmd = [sys.executable, *entry, "--db", str(db), "--secret-file", str(secret_file),
                "--host", "127.0.0.1", "--port", str(port), "--lease-ttl", str(lease_ttl),
                "--retain", str(retain), "--fanout", str(fanout)]

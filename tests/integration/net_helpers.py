@@ -120,10 +120,10 @@ def wait_answer(q: queue.Queue[dict[str, Any]], timeout: float = ANSWER_TIMEOUT_
 def _node_main(argv: list[str]) -> None:
     import xxhash
 
+    from weighthub.cluster.leases import LeasedTarget, ReadLeases
+    from weighthub.cluster.peerstore import PeerStore
     from weighthub.net.auth import load_secret
     from weighthub.net.client import Timeouts
-    from weighthub.net.leases import LeasedTarget, ReadLeases
-    from weighthub.net.peerstore import PeerStore
     from weighthub.net.server import ChunkServer, key_version
     from weighthub.receive import Receiver
     from weighthub.store import LocalStore

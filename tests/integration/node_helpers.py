@@ -194,10 +194,10 @@ def read_bits(out: Path) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------------- bad holder (child)
 
 def _bad_holder_main(argv: list[str]) -> None:
+    from weighthub.cluster.hubclient import HubClient
+    from weighthub.cluster.leases import ReadLeases
+    from weighthub.cluster.node import parse_labels
     from weighthub.net.auth import load_secret
-    from weighthub.net.hubclient import HubClient
-    from weighthub.net.leases import ReadLeases
-    from weighthub.net.node import parse_labels
     from weighthub.net.server import ChunkServer
     from weighthub.receive import Receiver
     from weighthub.store import LocalStore, MemoryStore

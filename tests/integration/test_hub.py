@@ -12,6 +12,8 @@ import pytest
 from hub_helpers import HubProcess, raw_request, signed_request, silent_server, write_secret
 
 from weighthub import cli
+from weighthub.cluster.hubclient import HubClient
+from weighthub.cluster.topology import Labels
 from weighthub.errors import (
     AuthError,
     ModelMismatch,
@@ -21,8 +23,6 @@ from weighthub.errors import (
     VersionNotFound,
 )
 from weighthub.net.auth import sign
-from weighthub.net.hubclient import HubClient
-from weighthub.net.topology import Labels
 
 # several real processes per test: outside the fast subset (-m "not slow")
 pytestmark = pytest.mark.slow
@@ -214,7 +214,7 @@ def test_bad_requests_get_clear_errors(hub: HubProcess, secret: bytes) -> None:
     status, doc = signed_request(hub.address, secret, "PUT", "/v1/holders", big)
     assert (status, doc["error"]) == (413, "LimitError") and "over the hub's limit" in doc["message"]
     status, doc = signed_request(hub.address, secret, "GET", "/v1/nothing")
-    assert status == 404 and "see weighthub.net.hub" in doc["message"]
+    assert status == 404 and "see weighthub.cluster.hub" in doc["message"]
     status, doc = signed_request(hub.address, secret, "GET", "/v1/sources?version=x&key=k")
     assert status == 400 and "'version' must be a non-negative integer" in doc["message"]
     body = json.dumps({"version": 1, "manifest_key": "k", "store_url": "u", "model_id": "m"}).encode()
@@ -294,7 +294,7 @@ def test_manifest_digest_is_recorded_and_joins_see_only_dense_holders(hub: HubPr
 def test_a_schema_1_database_is_upgraded_in_place(tmp_path: Path) -> None:
     import sqlite3
 
-    from weighthub.net.hubstate import HubDB, VersionRecord
+    from weighthub.cluster.hubstate import HubDB, VersionRecord
 
     path = tmp_path / "old.db"
     old = sqlite3.connect(path)

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 @pytest.fixture(scope="module")
 def smollm2():
-    smol = pytest.importorskip("weighthub.models.smollm2")
+    smol = pytest.importorskip("weighthub.bench.models.smollm2")
     try:
         return smol, *smol.load_smollm2(torch.float32)
     except UsageError as exc:

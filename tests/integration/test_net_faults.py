@@ -20,9 +20,9 @@ from deadlines import PROCESS_S
 from hub_helpers import HubProcess, silent_server, write_secret
 from node_helpers import BadHolder, NodeProcess, make_state, read_bits, same_bits, step
 
-from weighthub.net.hubclient import HubClient
-from weighthub.net.publisher import NetPublisher
-from weighthub.net.topology import Labels
+from weighthub.cluster.hubclient import HubClient
+from weighthub.cluster.publisher import NetPublisher
+from weighthub.cluster.topology import Labels
 from weighthub.publish import Publisher
 from weighthub.store import LocalStore
 

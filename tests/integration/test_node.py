@@ -17,10 +17,10 @@ from hub_helpers import HubProcess, write_secret
 from node_helpers import NodeProcess, make_state, read_bits, same_bits, step
 
 from weighthub import cli
+from weighthub.cluster.hubclient import HubClient
+from weighthub.cluster.publisher import NetPublisher
+from weighthub.cluster.topology import Labels
 from weighthub.net.client import PeerClient
-from weighthub.net.hubclient import HubClient
-from weighthub.net.publisher import NetPublisher
-from weighthub.net.topology import Labels
 from weighthub.store import LocalStore
 from weighthub.tensors import bits
 

@@ -20,10 +20,11 @@ import xxhash
 from net_helpers import Node, wait_answer
 
 from weighthub import catalog
+from weighthub.bench import transport as bench_transport
+from weighthub.cluster.relay import RelayTee
 from weighthub.errors import AuthError, PeerUnavailable
-from weighthub.net import auth, bench_transport, wire
+from weighthub.net import auth, wire
 from weighthub.net.client import PeerClient, Timeouts
-from weighthub.net.relay import RelayTee
 from weighthub.publish import Publisher
 from weighthub.store import LocalStore
 from weighthub.tensors import bits

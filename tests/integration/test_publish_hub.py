@@ -2,7 +2,7 @@
 no version yet.
 
 Real processes on 127.0.0.1: `weighthub serve hub` (the console command, or the same hub via
-`python -m weighthub.net.hub`), `weighthub publish --hub` and `weighthub serve node`. The failure
+`python -m weighthub.cluster.hub`), `weighthub publish --hub` and `weighthub serve node`. The failure
 modes (a bad secret file, a hub with another secret, a hub past this store, a hub that never
 answers) run `weighthub.cli.main` in-process: they need no torch start-up per case.
 """
@@ -25,8 +25,8 @@ from node_helpers import NodeProcess, child_env, make_state, read_bits, same_bit
 from safetensors.torch import save_file
 
 from weighthub import catalog, cli
-from weighthub.net.hubclient import HubClient
-from weighthub.net.publisher import NetPublisher, NetPublishResult
+from weighthub.cluster.hubclient import HubClient
+from weighthub.cluster.publisher import NetPublisher, NetPublishResult
 from weighthub.publish import Publisher, PublishResult
 from weighthub.store import LocalStore
 
@@ -224,11 +224,11 @@ def test_net_publisher_result_is_a_publish_result(tmp_path: Path, secret: bytes)
 def test_serve_hub_without_aiohttp_names_the_net_extra(tmp_path: Path, secret_file: Path,
                                                         monkeypatch: pytest.MonkeyPatch,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    import weighthub.net
+    import weighthub.cluster
 
     monkeypatch.setitem(sys.modules, "aiohttp", None)  # importing it now fails
-    monkeypatch.delitem(sys.modules, "weighthub.net.hub", raising=False)
-    monkeypatch.delattr(weighthub.net, "hub", raising=False)
+    monkeypatch.delitem(sys.modules, "weighthub.cluster.hub", raising=False)
+    monkeypatch.delattr(weighthub.cluster, "hub", raising=False)
     code = cli.main(["serve", "hub", "--db", str(tmp_path / "hub.db"), "--secret-file", str(secret_file)])
     assert code == cli.EXIT_USAGE
     assert "pip install 'weighthub[net]'" in one_line(capsys.readouterr().err)

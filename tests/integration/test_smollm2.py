@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+from weighthub.bench.models.smollm2 import PolicyGradientTask, load_smollm2, policy_state
 from weighthub.bench.trajectories import change_rate
-from weighthub.models.smollm2 import PolicyGradientTask, load_smollm2, policy_state
 from weighthub.tensors import bits
 
 pytestmark = [

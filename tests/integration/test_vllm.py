@@ -23,10 +23,10 @@ import vllm_model  # tests/integration is on sys.path (pytest's rootdir import)
 from vllm_model import PROMPTS, random_state, rl_step, save_checkpoint
 
 from weighthub import catalog
+from weighthub.engines.vllm import EXTENSION, bind, refit, stage
 from weighthub.errors import BaseMismatch, PlacementError
 from weighthub.publish import Publisher
 from weighthub.store import LocalStore
-from weighthub.targets.vllm import EXTENSION, bind, refit, stage
 from weighthub.tensors import bits, digest_bits
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -236,7 +236,7 @@ def test_smollm2_delta_refit_vs_full_reload(tmp_path: Path) -> None:
     the same outputs as vLLM's own full reload of that version's checkpoint; and the timings."""
     import torch
 
-    from weighthub.models.smollm2 import load_smollm2
+    from weighthub.bench.models.smollm2 import load_smollm2
 
     model, _tokenizer = load_smollm2(torch.bfloat16)
     config = {k: v for k, v in model.config.to_dict().items() if k != "quantization_config"}

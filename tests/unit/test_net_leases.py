@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from weighthub.cluster.leases import LeasedTarget, ReadLeases
 from weighthub.errors import LimitError, PeerUnavailable
-from weighthub.net.leases import LeasedTarget, ReadLeases
 from weighthub.targets import Held, StateDictTarget
 from weighthub.tensors import bits
 

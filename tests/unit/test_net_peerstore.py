@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from weighthub import catalog
+from weighthub.cluster.peerstore import PeerStore
 from weighthub.errors import PeerUnavailable, UsageError
 from weighthub.net.auth import load_secret
-from weighthub.net.peerstore import PeerStore
 from weighthub.publish import Publisher
 from weighthub.receive import Receiver
 from weighthub.store import MemoryStore
@@ -122,8 +122,8 @@ def test_a_relayed_manifest_spares_every_manifest_read_and_listing_of_the_store(
 
 
 def test_a_relayed_manifest_is_trusted_only_with_the_hubs_digest() -> None:
+    from weighthub.cluster.peerstore import relayed_manifest
     from weighthub.format import chunk_checksum
-    from weighthub.net.peerstore import relayed_manifest
 
     store, _ = published()
     key = catalog.rep_key(0, None, primary=True)

@@ -1,4 +1,4 @@
-"""Relay-tree planning (weighthub.net.plan): the guarantees of its docstring, as properties."""
+"""Relay-tree planning (weighthub.cluster.plan): the guarantees of its docstring, as properties."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from weighthub.cluster.plan import Node, RelayTree, plan_tree, replan
+from weighthub.cluster.topology import Labels
 from weighthub.errors import FormatError, UsageError
-from weighthub.net.plan import Node, RelayTree, plan_tree, replan
-from weighthub.net.topology import Labels
 
 labels_st = st.builds(Labels, region=st.sampled_from("abc"), zone=st.sampled_from("xy"),
                       host=st.sampled_from("pq"))

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from weighthub.bench import trajectories as T
+from weighthub.bench.models import smollm2
 from weighthub.errors import UsageError
-from weighthub.models import smollm2
 from weighthub.tensors import bits
 
 

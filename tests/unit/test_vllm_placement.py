@@ -149,12 +149,12 @@ def test_overlapping_copies_are_not_xored_twice() -> None:
 def test_a_failed_push_restores_the_engine_and_the_mirror() -> None:
     """Receiver + _EngineTarget: the loader fails midway through v1; the engine is put back."""
     from weighthub import catalog
+    from weighthub.engines.vllm import _EngineTarget
     from weighthub.errors import ApplyError
     from weighthub.publish import Publisher
     from weighthub.receive import Receiver
     from weighthub.store import MemoryStore
     from weighthub.targets.state_dict import StateDictTarget
-    from weighthub.targets.vllm import _EngineTarget
 
     store = MemoryStore()
     pub = Publisher(store)

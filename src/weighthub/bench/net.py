@@ -1,6 +1,6 @@
 """`weighthub bench net`: refits through the hub's relay tree vs every receiver from the store.
 
-Real processes throughout: a hub (`python -m weighthub.net.hub`), a publisher agent
+Real processes throughout: a hub (`python -m weighthub.cluster.hub`), a publisher agent
 (bench.net_agents: a NetPublisher), and `weighthub serve node` daemons with in-memory targets.
 The state is the real MiniLM fine-tuning pair (bench.shaped_agents.real_pair) tiled to
 `size_mib`; v0 is its first state, v1 the real step, later versions synthetic 3% steps.
@@ -171,7 +171,7 @@ def _spawner(lab: NetLab | None = None, ns: Any = None) -> Spawn:
 
 
 def _start_hub(spawn: Spawn, tmp: Path, secret_file: Path, host: str) -> tuple[_Lines, str]:
-    hub = _Lines(spawn([sys.executable, "-m", "weighthub.net.hub", "--db", str(tmp / f"hub-{host}.db"),
+    hub = _Lines(spawn([sys.executable, "-m", "weighthub.cluster.hub", "--db", str(tmp / f"hub-{host}.db"),
                         "--secret-file", str(secret_file), "--host", host, "--port", "0",
                         "--lease-ttl", "5", "--fanout", str(DEGREE)], {}), "hub")
     _t, line = hub.get(START_S)

@@ -41,10 +41,10 @@ class PublisherAgent:
 
     def op_start(self, store: str, hub: str, secret_file: str, labels: str, host: str,
                  degree: int, endpoint_url: str | None = None) -> dict[str, Any]:
+        from ..cluster.hubclient import HubClient
+        from ..cluster.node import parse_labels
+        from ..cluster.publisher import NetPublisher
         from ..net.auth import load_secret
-        from ..net.hubclient import HubClient
-        from ..net.node import parse_labels
-        from ..net.publisher import NetPublisher
         from ..store import open_store
 
         secret = load_secret(secret_file)

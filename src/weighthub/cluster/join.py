@@ -36,10 +36,10 @@ import numpy as np
 
 from .. import catalog
 from ..errors import IntegrityError, NetError, PeerUnavailable, UsageError, WeighthubError
+from ..net.client import PeerClient, Timeouts
 from ..store.base import Store
 from ..targets.base import Held, Target
 from ..tensors import TensorSpec, digest_bits, root_digest
-from .client import PeerClient, Timeouts
 
 log = logging.getLogger(__name__)
 

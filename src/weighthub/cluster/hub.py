@@ -49,7 +49,7 @@ from ..errors import (
     VersionNotFound,
     WeighthubError,
 )
-from .auth import AUTH_HEADER, ReplayGuard, body_digest, load_secret, verify
+from ..net.auth import AUTH_HEADER, ReplayGuard, body_digest, load_secret, verify
 from .hubcore import Hub, HubConfig, add_arguments, config_from_args
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ def _middleware(secret: bytes, guard: ReplayGuard) -> Any:
             return _error(exc)
         except web.HTTPException as exc:  # unknown endpoint or method
             return _reply({"error": "UsageError", "message": f"{request.method} {request.path}: "
-                           f"{exc.reason} (see weighthub.net.hub for the API)"}, exc.status)
+                           f"{exc.reason} (see weighthub.cluster.hub for the API)"}, exc.status)
         except TimeoutError:
             return _reply({"error": "PeerUnavailable",
                            "message": f"hub request timed out after {REQUEST_TIMEOUT_S:g}s"}, 503)
@@ -223,8 +223,8 @@ def run_from_args(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m weighthub.net.hub`: the same hub without the CLI's heavier imports (fast start)."""
-    p = argparse.ArgumentParser(prog="python -m weighthub.net.hub", description=__doc__.split("\n")[0])
+    """`python -m weighthub.cluster.hub`: the same hub without the CLI's heavier imports (fast start)."""
+    p = argparse.ArgumentParser(prog="python -m weighthub.cluster.hub", description=__doc__.split("\n")[0])
     add_arguments(p)
     try:
         run_from_args(p.parse_args(argv))

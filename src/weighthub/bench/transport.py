@@ -103,8 +103,8 @@ async def _serve_sock(sock: socket.socket, size: int) -> None:
 
 
 async def _serve_weighthub(port: int, size: int) -> None:
+    from ..net.server import ChunkServer
     from ..store.memory import MemoryStore
-    from .server import ChunkServer
 
     store = MemoryStore()
     store.put(_KEY, bytes(size))
@@ -170,7 +170,7 @@ async def _recv_sock(port: int, size: int, count: int, buf: memoryview) -> None:
 
 
 async def _recv_weighthub(port: int, size: int, count: int, buf: memoryview) -> None:
-    from .client import PeerClient
+    from ..net.client import PeerClient
 
     client = PeerClient(f"127.0.0.1:{port}", _SECRET)
     for _ in range(count):
@@ -226,7 +226,7 @@ def _wait_listening(port: int, proc: mp.process.BaseProcess, timeout: float = 60
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Options of `weighthub bench transport` (and `python -m weighthub.net.bench_transport`)."""
+    """Options of `weighthub bench transport` (and `python -m weighthub.bench.transport`)."""
     p.add_argument("--size-mib", type=int, default=32, help="body size (MiB, default 32)")
     p.add_argument("--count", type=int, default=16, help="bodies per run (default 16)")
     p.add_argument("--repeat", type=int, default=3, help="runs per transport, best kept")
@@ -250,7 +250,7 @@ def cmd_transport(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m weighthub.net.bench_transport", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m weighthub.bench.transport", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     return cmd_transport(p.parse_args(argv))

