@@ -13,7 +13,9 @@ zstd errors, …) are mapped once, at the seam where they happen (`raise X(...) 
     ├── StoreError              the object store failed
     │   ├── ObjectNotFound      a key that is not there
     │   ├── ObjectExists        a create-only write lost the race (someone else committed)
-    │   └── StoreUnavailable    the store cannot be read or written (permissions, I/O, timeout)
+    │   └── StoreUnavailable    the store cannot be read or written
+    │       ├── StoreTimeout    it did not answer in time: retrying may help
+    │       └── StoreRefused    it answered no (permissions, I/O error, bad credentials)
     ├── VersionError            the version history does not allow what was asked
     │   ├── VersionNotFound     no committed version with that number
     │   ├── NoSyncPath          no chain of retained versions reaches the target
@@ -25,7 +27,9 @@ zstd errors, …) are mapped once, at the seam where they happen (`raise X(...) 
     │                           canonical tensors as declared (gaps, overlaps, renamed/skipped)
     └── NetError                a peer, relay or hub failed
         ├── AuthError           a request without a valid token was refused (or ours was)
-        └── PeerUnavailable     a peer/hub did not answer in time or refused the version
+        └── PeerUnavailable     a peer/hub cannot serve what was asked
+            ├── PeerTimeout     it did not answer in time (dead or overloaded): fail over
+            └── PeerRefused     it answered no (busy, not holding the version): ask another
 """
 
 from __future__ import annotations
@@ -75,6 +79,14 @@ class StoreUnavailable(StoreError):
     """The store cannot be read or written (permissions, I/O error, timeout)."""
 
 
+class StoreTimeout(StoreUnavailable):
+    """The store did not answer in time (a retry may succeed)."""
+
+
+class StoreRefused(StoreUnavailable):
+    """The store answered, and refused (permissions, I/O error, credentials): retrying won't help."""
+
+
 class VersionError(WeighthubError):
     """The version history does not allow what was asked."""
 
@@ -117,3 +129,11 @@ class AuthError(NetError):
 
 class PeerUnavailable(NetError):
     """A peer or hub did not answer in time, or does not serve what was asked."""
+
+
+class PeerTimeout(PeerUnavailable):
+    """A peer or hub did not answer in time (dead, partitioned or overloaded)."""
+
+
+class PeerRefused(PeerUnavailable):
+    """A peer or hub answered, and refused (busy, or not holding what was asked)."""

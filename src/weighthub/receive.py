@@ -49,7 +49,6 @@ from .codec.digest import lanes_digest, staged_old_digest
 from .errors import (
     ApplyError,
     BaseMismatch,
-    ChecksumError,
     FormatError,
     IntegrityError,
     ObjectNotFound,
@@ -58,9 +57,9 @@ from .errors import (
     VersionNotFound,
     WeighthubError,
 )
-from .format import ChunkFrame, ChunkRef, Manifest, chunk_checksum, decode_chunk
-from .format.manifest import CHUNK_CHECKSUM
+from .format import ChunkFrame, ChunkRef, Manifest, decode_chunk
 from .layout import ShardBox, segment_outside
+from .sources import ChunkId, SourceList
 from .store import Store
 from .targets.base import Held, Target, unique_views
 from .tensors import (
@@ -156,7 +155,7 @@ class Receiver:
     """Keeps one target in sync with the versions in a store.
 
     Args:
-        store: where versions are read from.
+        store: the authority: manifests, listings and (when `sources` is not given) chunks.
         target: where the weights live (state dict, module, safetensors file/dir).
         verify_base: digest the target before applying and refuse if its bits are not the
             version it claims to hold (catches edits behind weighthub's back; costs one pass).
@@ -164,14 +163,18 @@ class Receiver:
         apply_workers: threads applying chunks during the pause (one per core is right).
         verify: "incremental" (default): digests from the held version's digests plus what the
             apply changed, O(changed) in the pause; "full": re-digest every touched tensor.
+        sources: where chunks come from, in order, each checked once against its manifest
+            (`sources.SourceList`); default: the store alone.
     """
 
-    def __init__(self, store: Store, target: Target, *, verify_base: bool = False,
+    def __init__(self, store: Store, target: Target, *, sources: SourceList | None = None,
+                 verify_base: bool = False,
                  workers: int = 4, apply_workers: int = 2,
                  verify: Literal["incremental", "full"] = "incremental") -> None:
         if verify not in ("incremental", "full"):
             raise UsageError(f"verify={verify!r}: choose 'incremental' or 'full'")
         self.store = store
+        self.sources = sources if sources is not None else SourceList.of(store)
         self.target = target
         self.verify_base = verify_base
         self.workers = workers
@@ -279,14 +282,7 @@ class Receiver:
             m = manifests[job[0]]
             ref = m.chunks[job[1]]
             where = f"chunk {self.store.url}/{ref.key}"
-            blob = self.store.get(ref.key)
-            if len(blob) != ref.size:
-                raise ChecksumError(f"{where}: {len(blob)} bytes, manifest says {ref.size}")
-            digest = chunk_checksum(blob)
-            if digest != ref.checksum:
-                raise ChecksumError(f"{where}: manifest {CHUNK_CHECKSUM}={ref.checksum[:12]}… "
-                                    f"computed {digest[:12]}…: the chunk is corrupt or not the "
-                                    "one the manifest names")
+            blob = self.sources.fetch(ChunkId.of(m, route[job[0]].key, job[1]))
             frame = decode_chunk(blob, where=where)
             _check_segments(frame, ref, m, where, inverse=route[job[0]].inverse)
             olds: list[bytes | None] = [None] * len(frame.segments)
