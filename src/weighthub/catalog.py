@@ -28,6 +28,7 @@ from .format import Manifest, decode_manifest
 from .store import Store
 
 PRIMARY = "manifest.json"
+CHUNK_SUFFIX = ".whc"  # chunk objects: a relay streams them, manifests it does not
 FULL = "full.json"
 _VERSION_DIR = re.compile(r"^v(\d{12})$")
 _REP = re.compile(r"^(manifest|full|from-(\d{12}))\.json$")
@@ -62,11 +63,7 @@ def latest_version(store: Store) -> int | None:
 
 
 def read_manifest(store: Store, key: str) -> Manifest:
-    try:
-        raw = store.get(key)
-    except ObjectNotFound:
-        raise
-    return decode_manifest(raw, where=f"{store.url}/{key}")
+    return decode_manifest(store.get(key), where=f"{store.url}/{key}")
 
 
 def primary_manifest(store: Store, v: int) -> Manifest:

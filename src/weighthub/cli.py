@@ -33,28 +33,19 @@ from typing import Any
 # inside the commands that need them, so `--help`, `inspect` and argument errors start without
 # them (tests/integration/test_cli.py checks).
 from . import __version__, catalog
+from .cli_read import EXIT_MISMATCH, EXIT_OK, cmd_inspect, cmd_verify, existing_store, open_store_of, size
 from .cliargs import LazyParser, version_number
 from .codec.coding import ENCODE_PROFILES
 from .errors import UsageError, WeighthubError
-from .store import Store, open_store
-from .store.staging import StagingStore
+from .store import Store
 
-EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
+EXIT_USAGE, EXIT_FAILED = 2, 3
+__all__ = ["EXIT_FAILED", "EXIT_MISMATCH", "EXIT_NOT_ANNOUNCED", "EXIT_OK", "EXIT_USAGE",
+           "build_parser", "main"]
 
 
 def _emit(args: argparse.Namespace, doc: dict[str, Any], line: str) -> None:
     print(json.dumps(doc, sort_keys=True) if getattr(args, "json", False) else line)
-
-
-def _fraction(changed: int, numel: int) -> float:
-    return changed / numel if numel else 0.0
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
 
 
 # `publish --hub`: the version is committed in the store, but the hub did not take the announcement
@@ -67,7 +58,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
     state = load_checkpoint(args.ckpt)  # read before opening the store: a bad CKPT writes nothing
     hub = _publish_hub(args)  # a bad --hub or secret file is refused before anything is written
-    store = _open(args)
+    store = open_store_of(args)
     if hub is not None:
         _check_hub(hub, store)
     pub = Publisher(store, anchor_every=args.anchor_every, skip_every=args.skip_every,
@@ -82,7 +73,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
         "upload_seconds": r.upload_seconds, "overlap": r.overlap}
     kind = "full" if r.base is None else f"delta from {r.base}"
     line = (f"published version {r.version} ({kind}) to {store.url}: "
-            f"{_size(r.payload_bytes)} of {_size(r.dense_bytes)} dense, "
+            f"{size(r.payload_bytes)} of {size(r.dense_bytes)} dense, "
             f"{r.changed_fraction:.4%} changed, {r.chunks} chunks, {r.seconds:.2f}s")
     if hub is None:
         _emit(args, doc, line)
@@ -138,15 +129,15 @@ def _check_hub(hub: Any, store: Store) -> None:
 
 def cmd_pull(args: argparse.Namespace) -> int:
     from .receive import Receiver
+    from .sources.staging import host_sources
     from .targets.safetensors_file import DIR_DATA_FILE, SafetensorsTarget
 
-    store: Store = _existing_store(args)
-    if args.stage_dir:
-        # receivers on one host share fetched chunks: each is fetched from the store once
-        store = StagingStore(store, args.stage_dir)
+    store: Store = existing_store(args)
     target = SafetensorsTarget(args.out, overwrite=args.force)
-    # verify_base: a file edited behind weighthub's back must not get a delta applied on top
-    receiver = Receiver(store, target, verify_base=True)
+    # verify_base: a file edited behind weighthub's back must not get a delta applied on top;
+    # --stage-dir: receivers on one host share fetched chunks, each fetched from the store once
+    receiver = Receiver(store, target, verify_base=True,
+                        sources=host_sources(store, args.stage_dir or None))
     r = receiver.sync(args.version)
     # a directory gets one file, whatever the published layout (the manifest keeps no layout)
     out = args.out if target.is_file else str(Path(args.out) / DIR_DATA_FILE)
@@ -160,98 +151,9 @@ def cmd_pull(args: argparse.Namespace) -> int:
         start = "nothing" if r.from_version is None else f"version {r.from_version}"
         how = f"{len(r.route)} step(s)" + (", rolled back through inverse deltas" if r.backward else "")
         line = (f"pulled {out} from {start} to version {r.version}: "
-                f"{_size(r.bytes_fetched)} fetched via {how}, "
+                f"{size(r.bytes_fetched)} fetched via {how}, "
                 f"{r.seconds:.2f}s (pause {r.pause_seconds:.2f}s)")
     _emit(args, doc, line)
-    return EXIT_OK
-
-
-def _open(args: argparse.Namespace) -> Store:
-    options = {"endpoint_url": args.endpoint_url} if args.endpoint_url else {}
-    return open_store(args.store, **options)
-
-
-def _existing_store(args: argparse.Namespace) -> Store:
-    """The store for read-only commands: a mistyped path must not be created as an empty store."""
-    url = args.store
-    path = url[len("file://"):] if url.startswith("file://") else url
-    if "://" not in path and not Path(path).expanduser().is_dir():
-        raise UsageError(f"store {url} does not exist (or is not a directory)")
-    return _open(args)
-
-
-def _version_or_latest(store: Store, version: int | None) -> int:
-    if version is not None:
-        return version
-    latest = catalog.latest_version(store)
-    if latest is None:
-        raise UsageError(f"store {store.url} holds no committed version")
-    return latest
-
-
-def cmd_verify(args: argparse.Namespace) -> int:
-    from .targets import load_checkpoint
-    from .tensors import bits, digest_bits, model_diff, specs_of
-
-    state = load_checkpoint(args.ckpt)
-    store = _existing_store(args)
-    v = _version_or_latest(store, args.version)
-    m = catalog.primary_manifest(store, v)
-    diff = model_diff(m.specs(), specs_of(state))
-    unlike = {e.name for e, _got in diff.changed}  # another dtype or shape: bits not compared
-    other_bits = [t.name for t in m.tensors if t.name in state and t.name not in unlike
-                  and digest_bits(bits(state[t.name])).hex() != t.digest]
-    if diff or other_bits:
-        problems = diff.phrases("the checkpoint", f"version {v}", limit=_SHOWN)
-        if other_bits:
-            more = " …" if len(other_bits) > _SHOWN else ""
-            problems.append(f"other bits: {other_bits[:_SHOWN]}{more}")
-        count = len(diff.missing) + len(diff.unexpected) + len(diff.changed) + len(other_bits)
-        print(f"{args.ckpt} differs from version {v} in {count} tensor(s): " + "; ".join(problems))
-        return EXIT_MISMATCH
-    print(f"{args.ckpt} is bit-identical to version {v} ({len(m.tensors)} tensors)")
-    return EXIT_OK
-
-
-_SHOWN = 20  # tensor names listed per kind of difference
-
-
-def _version_doc(store: Store, v: int, *, tensors: bool) -> dict[str, Any]:
-    m = catalog.primary_manifest(store, v)
-    numel = sum(t.spec().numel for t in m.tensors)
-    reps = [{"key": r.key, "base": r.base, "payload_bytes": r.payload_bytes}
-            for r in catalog.representations(store, v)]
-    doc: dict[str, Any] = {"version": v, "base": m.base, "representations": reps,
-                           "dense_bytes": m.dense_bytes, "payload_bytes": m.payload_bytes,
-                           "changed_fraction": _fraction(m.changed, numel),
-                           "tensors_count": len(m.tensors), "root": m.root}
-    if tensors:
-        doc["tensors"] = [{"name": t.name, "dtype": t.dtype, "shape": t.shape, "ops": t.ops,
-                           "changed": t.changed,
-                           "changed_fraction": _fraction(t.changed, t.spec().numel)}
-                          for t in m.tensors]
-    return doc
-
-
-def cmd_inspect(args: argparse.Namespace) -> int:
-    store = _existing_store(args)
-    if args.version is not None:
-        docs = [_version_doc(store, args.version, tensors=True)]
-    else:
-        docs = [_version_doc(store, v, tensors=False) for v in catalog.list_versions(store)]
-    if args.json:
-        print(json.dumps({"store": store.url, "versions": docs}, sort_keys=True))
-        return EXIT_OK
-    print(f"{store.url}: {len(docs)} version(s)" if args.version is None else store.url)
-    for d in docs:
-        base = "full" if d["base"] is None else f"base {d['base']}"
-        reps = ",".join("full" if r["base"] is None else f"from-{r['base']}"
-                        for r in d["representations"])
-        print(f"  v{d['version']}: {base}; reps [{reps}]; payload {_size(d['payload_bytes'])} "
-              f"of {_size(d['dense_bytes'])} dense; {d['changed_fraction']:.4%} changed")
-        for t in d.get("tensors", []):
-            print(f"    {t['name']} {t['dtype']}{t['shape']}: {t['changed_fraction']:.4%} changed "
-                  f"[{', '.join(t['ops']) or '-'}]")
     return EXIT_OK
 
 
@@ -275,9 +177,9 @@ def cmd_serve_hub(args: argparse.Namespace) -> int:
 
 
 def cmd_serve_node(args: argparse.Namespace) -> int:
-    from .cluster import node
+    from .cluster import node_cli
 
-    node.run_from_args(args)
+    node_cli.run_from_args(args)
     return EXIT_OK
 
 
@@ -288,9 +190,9 @@ def _hub_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _node_arguments(p: argparse.ArgumentParser) -> None:
-    from .cluster import node  # the receiver, targets, torch and numba: only for `serve node`
+    from .cluster import node_cli  # the receiver, targets, torch and numba: only for `serve node`
 
-    node.add_arguments(p)
+    node_cli.add_arguments(p)
 
 
 def _add_serve(sub: Any) -> None:

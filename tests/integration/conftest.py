@@ -21,7 +21,8 @@ import pytest
 from weighthub.bench.seaweed import SeaweedServer, weed_binary
 from weighthub.errors import StoreUnavailable, UsageError
 
-# the shared store conformance kit (tests/store_conformance.py) for test_s3_store.py
+# tests/ on sys.path, for helpers shared with the unit tests (tests/*.py); the store conformance
+# kit that used to live there ships in the package now (weighthub.testing.StoreTests)
 _TESTS = str(Path(__file__).resolve().parents[1])
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)

@@ -1,14 +1,14 @@
 """Process launchers for the peer-network tests: real nodes on 127.0.0.1.
 
 `python net_helpers.py node ...` runs one node: a ChunkServer staging into / serving from its
-cache directory, a StateDictTarget behind read leases, and a Receiver on a PeerStore over the
-shared store directory. It prints {"addr": ...} when it listens, then answers JSON-line commands
-on stdin (each with an "id"; each runs in its own thread, so a sync can wait behind a read lease
-while other commands go on):
+cache directory, a StateDictTarget behind read leases, and a Receiver over the shared store
+directory whose sources are the node's cache, the holders it was told, then the store. It prints
+{"addr": ...} when it listens, then answers JSON-line commands on stdin (each with an "id"; each
+runs in its own thread, so a sync can wait behind a read lease while other commands go on):
 
     {"cmd": "sync", "version": v}    -> version, digests (xxh3 of every tensor's bits), stats,
                                         store_chunk_gets (chunk GETs that reached the store)
-    {"cmd": "sources", "addrs": [...]}  peers its PeerStore asks, best first
+    {"cmd": "sources", "addrs": [...]}  holders its HolderSource asks, best first
     {"cmd": "serve", "version": v}   serve the objects of v (from the cache directory)
     {"cmd": "quit"}
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import queue
@@ -121,11 +120,12 @@ def _node_main(argv: list[str]) -> None:
     import xxhash
 
     from weighthub.cluster.leases import LeasedTarget, ReadLeases
-    from weighthub.cluster.peerstore import PeerStore
+    from weighthub.cluster.peers import HolderSource
     from weighthub.net.auth import load_secret
     from weighthub.net.client import Timeouts
     from weighthub.net.server import ChunkServer, key_version
     from weighthub.receive import Receiver
+    from weighthub.sources import SourceList, StoreCache, StoreSource
     from weighthub.store import LocalStore
     from weighthub.targets import StateDictTarget
 
@@ -146,9 +146,15 @@ def _node_main(argv: list[str]) -> None:
     leases = ReadLeases(target, wait_s=args.lease_wait)
     server = ChunkServer(served, secret, leases=leases).start()
     sources: list[str] = []
-    peers = PeerStore(backing, lambda _key: list(sources), secret, cache=cache,
-                      timeouts=Timeouts(2.0, args.deadline, args.deadline))
-    receiver = Receiver(peers, LeasedTarget(target, leases))
+    holders = HolderSource(lambda _ref: list(sources), secret,
+                           timeouts=Timeouts(2.0, args.deadline, args.deadline))
+    pushed, store = StoreCache(cache), StoreSource(backing)
+    chain = SourceList([pushed, holders, store])
+    receiver = Receiver(backing, LeasedTarget(target, leases), sources=chain)
+
+    def stats() -> dict[str, int]:
+        return {"from_cache": chain.served[pushed.name], "from_peers": chain.served[holders.name],
+                "from_backing": chain.served[store.name], "peer_failures": holders.stats.benched}
     out_lock = threading.Lock()
 
     def answer(msg: dict[str, Any]) -> None:
@@ -166,7 +172,7 @@ def _node_main(argv: list[str]) -> None:
                 reply.update(version=result.version, seconds=time.perf_counter() - t0,
                              digests={n: xxhash.xxh3_128_hexdigest(a.tobytes())
                                       for n, a in target.peek().items()},
-                             stats=dataclasses.asdict(peers.stats),
+                             stats=stats(),
                              store_chunk_gets=backing.chunk_gets,
                              lease_wait_s=leases.last_wait_s)
             elif cmd["cmd"] == "serve":
@@ -195,10 +201,10 @@ class CountingStore:
         self.url = inner.url
         self.chunk_gets = 0
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, **kw: Any) -> bytes:
         if key.endswith(".whc"):
             self.chunk_gets += 1
-        return self.inner.get(key)
+        return self.inner.get(key, **kw)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -213,8 +219,8 @@ class BadStore:
         self.corrupt = corrupt
         self.delay = delay
 
-    def get(self, key: str) -> bytes:
-        data = self.inner.get(key)
+    def get(self, key: str, **kw: Any) -> bytes:
+        data = self.inner.get(key, **kw)
         if key.endswith(".whc"):
             time.sleep(self.delay)
             if self.corrupt:

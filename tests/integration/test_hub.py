@@ -23,11 +23,13 @@ from weighthub.errors import (
     VersionNotFound,
 )
 from weighthub.net.auth import sign
+from weighthub.sources import ChunkId
 
 # several real processes per test: outside the fast subset (-m "not slow")
 pytestmark = pytest.mark.slow
 
 KEY = "v000000000001/c0000.whc"
+CHUNK = ChunkId(1, "v000000000001/manifest.json", 0, KEY, 1, "0" * 64)  # KEY, as a chunk of v1
 
 
 @pytest.fixture
@@ -78,7 +80,7 @@ def test_sources_ranked_by_topology_then_load(hub: HubProcess, secret: bytes) ->
         ("remote", "remote"), ("store", "store")]
     assert ranked[-1].address == "file:///store"
     assert asker.sources(KEY, 1) == [s.address for s in ranked[:-1]]
-    assert asker.peer_sources(KEY) == asker.sources(KEY, 1)
+    assert asker.peer_sources(CHUNK) == asker.sources(KEY, 1)
     # load is live: the idle one gets busy, the ranking follows on its next heartbeat
     c = client(hub, secret, here)
     c.register("host-idle", f"127.0.0.1:{1000 + len('host-idle')}", versions=[1], load=9)
@@ -239,10 +241,10 @@ def test_unanswering_hub_raises_peer_unavailable_within_the_timeout() -> None:
         with pytest.raises(PeerUnavailable, match=f"hub {address} did not answer GET /v1/latest within 0.5s"):
             c.latest()
         assert time.monotonic() - t0 < 1.5
-        # PeerStore's callable falls back to the store, and skips the dead hub for a while
+        # a HolderSource's ranking falls back to the store, and skips the dead hub for a while
         t0 = time.monotonic()
-        assert c.peer_sources(KEY) == []
-        assert c.peer_sources(KEY) == []
+        assert c.peer_sources(CHUNK) == []
+        assert c.peer_sources(CHUNK) == []
         assert time.monotonic() - t0 < 1.5
     closed = HubClient(address, b"s" * 32, timeout=0.5)  # nothing listens there any more
     with pytest.raises(PeerUnavailable, match="is `weighthub serve hub` running there"):

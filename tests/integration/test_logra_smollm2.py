@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from weighthub.digest import tensor_digest
 from weighthub.errors import UsageError
-from weighthub.tensors import tensor_digest
 from weighthub.train import CompactReceiver, KLProbe, LoGRA, encode_update, split_params
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

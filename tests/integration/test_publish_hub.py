@@ -28,6 +28,7 @@ from weighthub import catalog, cli
 from weighthub.cluster.hubclient import HubClient
 from weighthub.cluster.publisher import NetPublisher, NetPublishResult
 from weighthub.publish import Publisher, PublishResult
+from weighthub.sources import ChunkId
 from weighthub.store import LocalStore
 
 # several real processes per test: outside the fast subset (-m "not slow")
@@ -172,7 +173,9 @@ def test_sources_of_a_version_the_hub_does_not_know_is_the_store_quietly(
         hub: HubProcess, secret: bytes, caplog: pytest.LogCaptureFixture) -> None:
     client = HubClient(hub.address, secret, timeout=5.0)
     with caplog.at_level(logging.DEBUG, logger="weighthub"):
-        assert client.peer_sources("v000000000003/full-x/c000000.whc") == []
+        chunk = ChunkId(3, catalog.rep_key(3, None, primary=True), 0,
+                        "v000000000003/full-x/c000000.whc", 1, "0" * 64)
+        assert client.peer_sources(chunk) == []
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
@@ -217,6 +220,21 @@ def test_net_publisher_result_is_a_publish_result(tmp_path: Path, secret: bytes)
             assert r.changed_fraction == expected.changed_fraction
             assert {f.name for f in fields(PublishResult)} <= {f.name for f in fields(r)}
         assert r.version == 1 and r.base == 0 and 0 < r.changed_fraction < 0.1
+    finally:
+        net.close()
+
+
+def test_a_net_publisher_restarting_adopts_the_store_and_publishes_a_delta(
+        tmp_path: Path, secret: bytes) -> None:
+    """It reads the store's head back through its own store wrapper (with per-call timeouts)."""
+    states = [make_state(0, tensors=3, numel=1 << 16)]
+    states.append(step(states[0], 1))
+    store = LocalStore(tmp_path / "store")
+    Publisher(store).publish(states[0])
+    net = NetPublisher(store, secret, hub=None).start()
+    try:
+        r = net.publish(states[1])
+        assert (r.version, r.base) == (1, 0) and 0 < r.changed_fraction < 0.1
     finally:
         net.close()
 

@@ -19,22 +19,43 @@ from typing import Any
 import pytest
 import torch
 
-from store_conformance import StoreTests
 from weighthub import catalog
-from weighthub.errors import ChecksumError, ObjectExists, ObjectNotFound, StoreUnavailable, UsageError
+from weighthub.errors import (
+    ChecksumError,
+    ObjectExists,
+    ObjectNotFound,
+    StoreRefused,
+    StoreTimeout,
+    StoreUnavailable,
+    UsageError,
+)
 from weighthub.publish import Publisher
 from weighthub.receive import Receiver
 from weighthub.store import Store, open_store
 from weighthub.store.s3 import S3Store, parse_s3_url
 from weighthub.targets import StateDictTarget
+from weighthub.testing import StoreTimeoutTests
 
 MiB = 1 << 20
 
 
-class TestS3StoreConformance(StoreTests):
-    @pytest.fixture
-    def store(self, seaweedfs: Any, s3_prefix: str) -> Store:  # type: ignore[override]
-        return seaweedfs.store(s3_prefix)
+class TestS3StoreConformance(StoreTimeoutTests):
+    """The shipped kit against SeaweedFS; stalled: a server that accepts and never answers,
+    with the store's own bounds far longer than the per-call timeouts the kit passes."""
+
+    @pytest.fixture(autouse=True)
+    def _server(self, seaweedfs: Any, s3_prefix: str, silent_server: str) -> None:
+        self.seaweedfs, self.prefix, self.silent = seaweedfs, s3_prefix, silent_server
+        self.made = 0
+
+    def make_store(self) -> Store:
+        self.made += 1
+        return self.seaweedfs.store(f"{self.prefix}/s{self.made}")
+
+    def stalled_store(self) -> tuple[Store, str]:
+        return S3Store("bucket", "p", endpoint_url=self.silent, access_key_id="a",
+                       secret_access_key="b", connect_timeout=30, read_timeout=30,
+                       attempts=4), "k"
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -75,29 +96,29 @@ class Wrapped:
     def __init__(self, inner: Store, hook) -> None:
         self.inner, self.hook, self.url = inner, hook, inner.url
 
-    def get(self, key):
+    def get(self, key, **kw):
         self.hook("get", key)
-        return self.inner.get(key)
+        return self.inner.get(key, **kw)
 
-    def get_range(self, key, start, stop):
+    def get_range(self, key, start, stop, **kw):
         self.hook("get_range", key)
-        return self.inner.get_range(key, start, stop)
+        return self.inner.get_range(key, start, stop, **kw)
 
-    def size(self, key):
+    def size(self, key, **kw):
         self.hook("size", key)
-        return self.inner.size(key)
+        return self.inner.size(key, **kw)
 
-    def put(self, key, data, *, create_only=False):
+    def put(self, key, data, *, create_only=False, **kw):
         self.hook("put", key)
-        return self.inner.put(key, data, create_only=create_only)
+        return self.inner.put(key, data, create_only=create_only, **kw)
 
-    def delete(self, key):
+    def delete(self, key, **kw):
         self.hook("delete", key)
-        return self.inner.delete(key)
+        return self.inner.delete(key, **kw)
 
-    def children(self, prefix):
+    def children(self, prefix, **kw):
         self.hook("children", prefix)
-        return self.inner.children(prefix)
+        return self.inner.children(prefix, **kw)
 
 
 # -- the store -------------------------------------------------------------------------------
@@ -176,7 +197,7 @@ def test_wrong_credentials(seaweedfs: Any, s3_prefix: str) -> None:
         for call in (lambda s=store: s.get("k"), lambda s=store: s.put("k", b"x"),
                      lambda s=store: s.children(""), lambda s=store: s.size("k")):
             t0 = time.monotonic()
-            with pytest.raises(StoreUnavailable, match="refused the credentials") as info:
+            with pytest.raises(StoreRefused, match="refused the credentials") as info:
                 call()
             assert seaweedfs.endpoint in str(info.value)
             assert time.monotonic() - t0 < 2  # a 403 is final: never retried
@@ -187,7 +208,7 @@ def test_missing_bucket(seaweedfs: Any) -> None:
                     access_key_id=seaweedfs.access_key, secret_access_key=seaweedfs.secret_key)
     for call in (lambda: store.get("k"), lambda: store.size("k"), lambda: store.children(""),
                  lambda: store.get_range("k", 0, 4)):
-        with pytest.raises(StoreUnavailable, match=r"bucket 'no-such-bucket-here' does not exist.*create it"):
+        with pytest.raises(StoreRefused, match=r"bucket 'no-such-bucket-here' does not exist.*create it"):
             call()
     # a PUT may auto-create buckets for admin identities (SeaweedFS); it must never be silently lost
     try:
@@ -212,7 +233,7 @@ def test_endpoint_nothing_listens() -> None:
                     read_timeout=1, attempts=3)
     for call in (lambda: store.get("k"), lambda: store.put("k", b"x"), lambda: store.children("")):
         t0 = time.monotonic()
-        with pytest.raises(StoreUnavailable, match=r"did not answer.*gave up after 3 attempts"):
+        with pytest.raises(StoreTimeout, match=r"did not answer.*gave up after 3 attempts"):
             call()
         assert time.monotonic() - t0 < 5
 
@@ -254,12 +275,33 @@ def test_endpoint_that_never_answers(silent_server: str) -> None:
     for call in (lambda: store.get("k"), lambda: store.put("m", b"x", create_only=True),
                  lambda: store.children("")):
         t0 = time.monotonic()
-        with pytest.raises(StoreUnavailable, match="did not answer in time"):
+        with pytest.raises(StoreTimeout, match="did not answer in time"):
             call()
         elapsed = time.monotonic() - t0
         # attempts × (an upload first waits 1 s for `100 Continue`, then the read timeout)
         # + backoff, with slack for a loaded machine
         assert elapsed < 2 * (1 + 0.5) + 1.5, elapsed
+
+
+def test_per_call_timeout_bounds_every_operation(silent_server: str) -> None:
+    """A call's `timeout` is a deadline over its attempts and parts, whatever the store's own
+    (much longer) per-attempt timeouts and retries are."""
+    store = S3Store("bucket", "p", endpoint_url=silent_server, access_key_id="a",
+                    secret_access_key="b", connect_timeout=30, read_timeout=30, attempts=4)
+    for call in (lambda: store.get("k", timeout=1.0), lambda: store.size("k", timeout=1.0),
+                 lambda: store.get_range("k", 0, 9, timeout=1.0),
+                 lambda: store.put("m", b"x", create_only=True, timeout=1.0),
+                 lambda: store.children("", timeout=1.0), lambda: store.delete("a/b", timeout=1.0)):
+        t0 = time.monotonic()
+        with pytest.raises(StoreTimeout):
+            call()
+        assert time.monotonic() - t0 < 1.0 + 3, time.monotonic() - t0
+    default = S3Store("bucket", "p", endpoint_url=silent_server, access_key_id="a",
+                      secret_access_key="b", connect_timeout=30, read_timeout=30, timeout=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(StoreTimeout):
+        default.get("k")  # the store's own deadline, when the call gives none
+    assert time.monotonic() - t0 < 1.0 + 3
 
 
 def test_put_fails_midway_through_publish(seaweedfs: Any, s3_prefix: str) -> None:

@@ -104,7 +104,7 @@ def _scenario_main(rank: int, world: int, work: Path) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from weighthub.layout import ShardBox
-    from weighthub.publish_sharded import ShardedPublisher
+    from weighthub.publish import ShardedPublisher
     from weighthub.store import LocalStore
 
     res: dict[str, Any] = {}
@@ -166,7 +166,7 @@ def _measure_memory(mesh: Any, work: Path) -> dict[str, Any]:
 
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from weighthub.publish_sharded import ShardedPublisher
+    from weighthub.publish import ShardedPublisher
     from weighthub.store import LocalStore
 
     g = torch.Generator().manual_seed(7)
@@ -206,7 +206,7 @@ def _scenario_death(rank: int, world: int, work: Path) -> dict[str, Any]:
     """Rank 1 dies while writing its chunks of version 1: nothing is committed."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from weighthub.publish_sharded import ShardedPublisher
+    from weighthub.publish import ShardedPublisher
     from weighthub.store import LocalStore
 
     class DyingStore(LocalStore):
@@ -514,6 +514,38 @@ def test_a_rank_dying_before_the_commit_commits_nothing(groups: dict[int, Group]
     assert catalog.list_versions(LocalStore(g.work / "death")) == [0]
     # the survivor removed its chunks; the dead rank died before its first put
     assert not [f for f in (g.work / "death" / "v000000000001").rglob("*") if f.is_file()]
+
+
+# masked digests of every object the group stored for the trajectory (tests/store_golden.py),
+# recorded from the sharded publisher as it stood before `publish/` became one pipeline
+GOLDEN: dict[int, dict[str, str]] = {
+    2: {
+        "v000000000000": "7:bc396e118d16b109de035e7132ae6251",
+        "v000000000001": "7:1ccf3c6291a7a39495ea3a70220d97f4",
+        "v000000000002": "14:0b11f4d82e2fcfdf4a7a55d610a97813",
+        "v000000000003": "7:ffbec7df446ad22e9fd41de6532d1a36",
+        "v000000000004": "14:740c85b6999f89ce33a6baf8d2b12fcd",
+    },
+    3: {
+        "v000000000000": "7:2c9da9661afa2c007667a30dd6867d2b",
+        "v000000000001": "7:f7f6bae9ea11bff8634f02f1b4826449",
+        "v000000000002": "14:9599e250737e12e5c9dcf43ea53dde23",
+        "v000000000003": "7:0ae9650b68887cf9f59ad12f1597f917",
+        "v000000000004": "14:744246255e1598c30841262d58077660",
+    },
+}
+
+
+@WORLDS
+def test_stored_bytes_match_the_golden_digests(group: Group) -> None:
+    from store_golden import digest_by_version, masked_objects
+    from weighthub.store import LocalStore
+
+    objects = masked_objects(LocalStore(group.work / "sharded"))
+    got = digest_by_version(objects)
+    print("\n".join(f"{k} {v}" for k, v in objects.items()))
+    print(group.world, got)
+    assert got == GOLDEN[group.world]
 
 
 if __name__ == "__main__":

@@ -23,11 +23,12 @@ import vllm_model  # tests/integration is on sys.path (pytest's rootdir import)
 from vllm_model import PROMPTS, random_state, rl_step, save_checkpoint
 
 from weighthub import catalog
+from weighthub.digest import digest_bits
 from weighthub.engines.vllm import EXTENSION, bind, refit, stage
 from weighthub.errors import BaseMismatch, PlacementError
 from weighthub.publish import Publisher
 from weighthub.store import LocalStore
-from weighthub.tensors import bits, digest_bits
+from weighthub.tensors import bits
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 VERSIONS = 4  # v0 (full) + 3 deltas
@@ -126,9 +127,11 @@ def _digests_match(llm: Any, store: LocalStore, version: int, state: dict[str, A
     return got
 
 
-def test_refits_match_fresh_engine(trainer: dict[str, Any], engine: Any, reference: Any) -> None:
+def test_refits_match_fresh_engine(trainer: dict[str, Any], engine: Any, reference: Any,
+                                   tmp_path: Path) -> None:
     store, states, ckpts = trainer["store"], trainer["states"], trainer["ckpts"]
-    bound = bind(engine, store.url)
+    # through a host staging cache, as the workers of one host share it
+    bound = bind(engine, store.url, stage_dir=str(tmp_path / "stage"))
     assert bound["version"] == 0
     fresh_last = outputs(reference)  # before any reload: a truly fresh engine at v3
     timings, walls = [], []
@@ -153,6 +156,9 @@ def test_refits_match_fresh_engine(trainer: dict[str, Any], engine: Any, referen
         assert outputs(engine) == expect, f"v{v}: refitted engine differs from a fresh load"
         got = _digests_match(engine, store, v, states[v])
         assert "model.embed_tokens.weight" in got["engine"]  # read back from the engine itself
+        staged = {str(p.relative_to(tmp_path / "stage")).split("/")[0]
+                  for p in (tmp_path / "stage").rglob("*.whc")}
+        assert str(v) in staged  # the refit's chunks went through the host cache
         timings.append(r)
     # v1: layer 0's q changed but k, v did not: the whole fused group went through the loader
     paths1 = timings[0]["paths"]
@@ -228,6 +234,19 @@ def test_rebind_to_other_bits_is_refused(trainer: dict[str, Any], engine: Any) -
         bind(engine, other.url)
     with pytest.raises(BaseMismatch, match="is not version 0"):
         bind(engine, other.url, 0)
+    _assert_unchanged(engine, before, held)
+
+
+def test_engine_target_conformance(trainer: dict[str, Any], engine: Any) -> None:
+    """The shipped Target kit on the engine target, inside the worker (weighthub.testing): its
+    commits push kit bit patterns into the live engine, which is then restored to what it
+    served."""
+    from weighthub.testing.vllm_target import run_engine_target_kit
+
+    held = bind(engine, trainer["store"].url)["version"]  # run alone, or after the refits
+    before = outputs(engine)
+    results = engine.collective_rpc(run_engine_target_kit)[0]
+    assert len(results) >= 7 and all(r == "passed" for r in results.values()), results
     _assert_unchanged(engine, before, held)
 
 

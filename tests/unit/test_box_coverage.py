@@ -16,18 +16,20 @@ import numpy as np
 import pytest
 import torch
 
-from weighthub import catalog, receive
+from weighthub import catalog
 from weighthub.codec import EncodePolicy, Positions, Segment, UndoLog, apply_segment, encode_segment
-from weighthub.codec.segment import encode_changes
-from weighthub.errors import FormatError
+from weighthub.codec.encode import encode_changes
+from weighthub.digest import digest_bits, root_digest
+from weighthub.errors import FormatError, UsageError
 from weighthub.format import ChunkRef, Manifest, TensorEntry, chunk_checksum, encode_chunk, encode_manifest
 from weighthub.format.manifest import KIND, MANIFEST_FORMAT
 from weighthub.layout import ShardBox, segment_outside
 from weighthub.publish import model_id
 from weighthub.receive import Receiver
+from weighthub.receive import apply as receive_apply
 from weighthub.store import MemoryStore
 from weighthub.targets import StateDictTarget
-from weighthub.tensors import DTYPE_BY_NAME, TensorSpec, bits, digest_bits, root_digest
+from weighthub.tensors import DTYPE_BY_NAME, TensorSpec, bits
 
 SHAPE = (12, 10)
 BF16 = DTYPE_BY_NAME["BF16"]
@@ -120,13 +122,13 @@ def _refused(store: MemoryStore, v0: np.ndarray, monkeypatch: pytest.MonkeyPatch
     rx = Receiver(store, StateDictTarget(target))
     rx.sync(0)
     applied = []
-    real = receive.apply_segment
+    real = receive_apply.apply_segment
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         applied.append(args[0])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(receive, "apply_segment", counting)
+    monkeypatch.setattr(receive_apply, "apply_segment", counting)
     with pytest.raises(FormatError, match=match):
         rx.sync(1)
     assert applied == []  # refused while staging: not one segment was applied
@@ -221,7 +223,7 @@ def test_encode_changes_gives_way_to_dense_and_refuses_bad_input() -> None:
     rng = np.random.default_rng(0)
     noise = rng.integers(0, 1 << 16, 100, dtype=np.uint64).astype(np.uint16)
     assert encode_changes(pos, old, noise, BF16, tensor=0, start=0, stop=100, dense_numel=100) is None
-    with pytest.raises(ValueError):
+    with pytest.raises(UsageError):
         encode_changes(pos[:0], old[:0], old[:0], BF16, tensor=0, start=0, stop=100, dense_numel=100)
-    with pytest.raises(ValueError):
+    with pytest.raises(UsageError):
         encode_changes(pos + 1, old, old, BF16, tensor=0, start=0, stop=100, dense_numel=100)

@@ -25,10 +25,10 @@ from weighthub.codec import (
     apply_segment,
     encode_segment,
 )
-from weighthub.codec.digest import lanes_digest
+from weighthub.digest import digest_add, digest_affine, digest_sub, lanes_digest
 from weighthub.errors import FormatError
 from weighthub.format import decode_chunk, encode_chunk
-from weighthub.tensors import DTYPES, DType, digest_add, digest_affine, digest_sub
+from weighthub.tensors import DTYPES, DType
 
 DTYPE_IDS = [d.name for d in DTYPES]
 FLOATS = [d for d in DTYPES if d.is_float]
@@ -259,6 +259,21 @@ HOSTILE = {
     "group ranks beyond range": _seg(Positions.GROUPS, leb128(1) + leb128(0) + leb128(1)
                                      + leb128(10_000), b"\x01", 1),
     "positions ALL on a delta op": _seg(Positions.ALL, b"", b"\x01", 1),
+    # codings the spec forbids (format/spec.md §2): refused before anything is applied
+    "xor with zigzag values": _seg(Positions.GAPS, leb128(0), b"\x01", 1, Op.XOR, Values.ZIGZAG),
+    "add with varint values": _seg(Positions.GAPS, leb128(0), b"\x01", 1, Op.ADD, Values.VARINT),
+    "overwrite with varint values": _seg(Positions.GAPS, leb128(0), b"\x01", 1, Op.OVERWRITE,
+                                         Values.VARINT),
+    "dense with gap positions": _seg(Positions.GAPS, b"", b"\x00" * 2 * N, N, Op.DENSE, Values.RAW),
+    "dense with varint values": _seg(Positions.ALL, b"", b"\x00" * 2 * N, N, Op.DENSE,
+                                     Values.VARINT),
+    "dense with a short count": _seg(Positions.ALL, b"", b"\x00" * 2 * N, N - 1, Op.DENSE,
+                                     Values.RAW),
+    "bitmap padding bit set": _seg(Positions.BITMAP, b"\x01" + b"\x00" * 11 + b"\x10", b"\x01", 1),
+    "group keys not increasing": _seg(Positions.GROUPS, leb128(2) + leb128(5) + leb128(1) + leb128(3)
+                                      + leb128(1) + leb128(0) + leb128(0), b"\x01" * 2, 2),
+    "empty group": _seg(Positions.GROUPS, leb128(2) + leb128(3) + leb128(0) + leb128(5) + leb128(1)
+                        + leb128(0), b"\x01", 1),
     "dense of wrong size": _seg(Positions.ALL, b"", b"\x00" * (2 * N - 1), N, Op.DENSE, Values.RAW),
 }
 
@@ -278,6 +293,17 @@ def test_hostile_segment_is_refused_and_rolled_back(name: str) -> None:
         apply_segment(HOSTILE[name], dst, DT, undo, "hostile")
     undo.rollback()
     assert same_bits(dst, original)
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if not d.is_float], ids=lambda d: d.name)
+def test_grouped_positions_on_an_integer_dtype_are_refused(dtype: DType) -> None:
+    dst = np.zeros(16, dtype.uint)
+    seg = Segment(0, 0, 16, Op.XOR, Positions.GROUPS, Values.VARINT, 1,
+                  u8(leb128(1) + leb128(0) + leb128(1) + leb128(0)), u8(b"\x01"))
+    undo = UndoLog()
+    with pytest.raises(FormatError, match="grp: exponent-grouped positions on an integer dtype"):
+        apply_segment(seg, dst, dtype, undo, "grp")
+    assert not undo.entries and not dst.any()
 
 
 def test_partial_apply_is_rolled_back_exactly() -> None:

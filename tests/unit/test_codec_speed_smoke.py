@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from weighthub.codec import segment as S
-from weighthub.codec.segment import (
+from weighthub.codec import (
     EncodePolicy,
     Op,
     Positions,
@@ -24,6 +23,7 @@ from weighthub.codec.segment import (
     changed_positions,
     encode_segment,
 )
+from weighthub.codec import encode as S
 from weighthub.errors import FormatError
 from weighthub.tensors import DTYPE_BY_NAME, bits
 
@@ -81,7 +81,7 @@ def test_every_position_coding_and_op(op: Op, positions: Positions) -> None:
     assert ch is not None
     codec = {Op.ADD: S.Values.ZIGZAG, Op.XOR: S.Values.VARINT, Op.OVERWRITE: S.Values.RAW}[op]
     pos_bytes = {
-        Positions.GAPS: lambda: S._encode_gaps(ch.pos),
+        Positions.GAPS: lambda: S.encode_gaps(ch.pos),
         Positions.GROUPS: lambda: S._encode_groups(old, ch.pos, BF16),
         Positions.BITMAP: lambda: np.packbits(old != new, bitorder="little"),
     }[positions]()
@@ -114,7 +114,7 @@ def test_corrupt_streams_refused_and_rolled_back(positions: Positions) -> None:
     old, new = _pair(0.02, seed=5)
     ch = S._scan(old, new, N)
     assert ch is not None
-    pos_bytes = (S._encode_gaps(ch.pos) if positions == Positions.GAPS
+    pos_bytes = (S.encode_gaps(ch.pos) if positions == Positions.GAPS
                  else S._encode_groups(old, ch.pos, BF16))
     vals = S._encode_vals(ch, S.Values.ZIGZAG, BF16)
     rng = np.random.default_rng(5)

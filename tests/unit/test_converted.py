@@ -12,8 +12,10 @@ from weighthub.errors import ChecksumError, UsageError
 from weighthub.publish import Publisher
 from weighthub.receive import Receiver
 from weighthub.store import MemoryStore
+from weighthub.targets.base import Target
 from weighthub.targets.converted import Fp8BlockTarget, quantize_fp8_blocks
 from weighthub.targets.state_dict import StateDictTarget
+from weighthub.testing import TargetTests
 
 BLOCK = (32, 32)  # small blocks so small tensors have many
 
@@ -104,3 +106,26 @@ def test_quantize_checks_input() -> None:
     assert torch.equal(s, torch.ones(2, 2)) and not q.float().any()
     with pytest.raises(UsageError, match="not a converted tensor"):
         Fp8BlockTarget(StateDictTarget({})).weight("x")
+
+
+class TestFp8BlockTargetKit(TargetTests):
+    """The shipped Target kit (weighthub.testing) on the fp8 wrapper over an empty mirror; its
+    2-D bf16 tensor is not a whole number of blocks, and the kit's bit patterns include NaN
+    payloads and infinities."""
+
+    def make_target(self) -> Target:
+        return Fp8BlockTarget(StateDictTarget({}), block=BLOCK)
+
+    def test_kit_commits_quantize_like_scratch(self) -> None:
+        target = Fp8BlockTarget(StateDictTarget({}), block=BLOCK)
+        for version, seed in ((1, 5), (2, 6)):
+            views = target.open(self.model_specs())
+            for spec in self.model_specs():
+                views[spec.name][...] = self.pattern(spec, seed).view(views[spec.name].dtype)
+            target.commit(self.held_for({}, version))
+            inner = target.inner
+            assert isinstance(inner, StateDictTarget)
+            w = inner.state["embed.weight"]
+            q, s = target.weight("embed.weight")
+            q0, s0 = quantize_fp8_blocks(w, BLOCK)
+            assert torch.equal(_bits(q), _bits(q0)) and torch.equal(_bits(s), _bits(s0))

@@ -12,11 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bit_patterns import random_bits
-from weighthub.errors import UsageError
-from weighthub.tensors import (
-    DTYPES,
+from weighthub.digest import (
     ZERO_DIGEST,
-    bits,
     digest_add,
     digest_affine,
     digest_bits,
@@ -24,6 +21,8 @@ from weighthub.tensors import (
     digest_sub,
     tensor_digest,
 )
+from weighthub.errors import UsageError
+from weighthub.tensors import DTYPES, bits
 
 M64 = (1 << 64) - 1
 WIDTHS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -126,7 +125,7 @@ def _digest_at(flat: np.ndarray, idx: np.ndarray) -> bytes:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=[d.name for d in DTYPES])
 def test_incremental_update_equals_full_digest(dtype) -> None:
-    rng = np.random.default_rng(dtype.code)
+    rng = np.random.default_rng(DTYPES.index(dtype) + 1)
     old = random_bits(rng, dtype, 4000)
     new = old.copy()
     pos = np.sort(rng.choice(old.size, 150, replace=False))
@@ -167,6 +166,26 @@ def test_every_bit_flip_of_a_u64_word_changes_both_lanes(bit: int, i: int) -> No
     assert a[:8] != b[:8] and a[8:] != b[8:]
 
 
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+def test_reversed_unaligned_and_read_only_views_digest_as_their_elements(width: int) -> None:
+    """Blocks reach the kernels as one contiguous span (digest.linear._span): memory strides
+    that run backwards, unaligned words and read-only memory must not change a digest."""
+    rng = np.random.default_rng(width)
+    rows, cols = 7, 9
+    a = rng.integers(0, 2**63, rows * cols, dtype=np.uint64).astype(WIDTHS[width]).reshape(rows, cols)
+    whole = reference_digest(a)
+    assert digest_affine(a[::-1, ::-1], a.size - 1, (-cols, -1)) == whole
+    assert digest_affine(a[:, ::-1], cols - 1, (cols, -1)) == whole
+    assert digest_affine(a[::-1].T, (rows - 1) * cols, (1, -cols)) == whole
+    buf = np.zeros(a.nbytes + 1, np.uint8)
+    odd = buf[1:].view(WIDTHS[width])  # unaligned words for widths > 1
+    odd[:] = a.reshape(-1)
+    odd.flags.writeable = False
+    assert digest_bits(odd.reshape(rows, cols)) == whole
+    column = odd.reshape(rows, cols)[:, 2:5]  # unaligned, strided and read-only at once
+    assert digest_affine(column, 2, (cols, 1)) == digest_affine(a[:, 2:5].copy(), 2, (cols, 1))
+
+
 def test_two_threads_equal_one_and_errors_are_clear() -> None:
     w = np.random.default_rng(0).integers(0, 1 << 16, (1 << 22) + 7, dtype=np.uint16)
     assert digest_bits(w, threads=1) == digest_bits(w, threads=2)
@@ -184,7 +203,8 @@ def test_two_threads_equal_one_and_errors_are_clear() -> None:
 @pytest.mark.parametrize("frac", [0.002, 0.03, 0.3, 1.0], ids=["gaps", "groups", "bitmap", "dense"])
 def test_segment_digest_halves_add_up(frac: float) -> None:
     from weighthub.codec import Positions, UndoLog, apply_segment, encode_segment_tracked
-    from weighthub.codec.digest import lanes_digest, staged_old_digest
+    from weighthub.codec.digest import staged_old_digest
+    from weighthub.digest import lanes_digest
     from weighthub.tensors import DTYPE_BY_NAME
 
     bf16 = DTYPE_BY_NAME["BF16"]
@@ -224,7 +244,7 @@ def test_segment_digest_halves_add_up(frac: float) -> None:
 @pytest.mark.parametrize("op", ["xor", "add", "overwrite"])
 def test_folded_digest_follows_every_op_and_is_untouched_on_failure(op: str) -> None:
     from weighthub.codec import EncodePolicy, Op, UndoLog, apply_segment, encode_segment_tracked
-    from weighthub.codec.digest import lanes_digest
+    from weighthub.digest import lanes_digest
     from weighthub.errors import FormatError
     from weighthub.tensors import DTYPE_BY_NAME
 

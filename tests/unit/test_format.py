@@ -210,7 +210,7 @@ def test_lengths_that_do_not_add_up() -> None:
             decode_chunk(frame, where=WHERE)
         del name
     # streams vs header raw length
-    for frame in (with_record(GOLDEN, 1, vlen=4), with_record(GOLDEN, 0, plen=2**63),
+    for frame in (with_record(GOLDEN, 1, vlen=4), with_record(GOLDEN, 1, plen=2**63),
                   with_header(GOLDEN, raw_len=12)):
         with pytest.raises(FormatError, match=f"{WHERE}: segment streams total"):
             decode_chunk(frame, where=WHERE)
@@ -228,6 +228,45 @@ def test_lengths_that_do_not_add_up() -> None:
 def test_bad_segment_ranges(fields: dict[str, int], match: str) -> None:
     with pytest.raises(FormatError, match=f"{WHERE} segment 1: {match}"):
         decode_chunk(with_record(GOLDEN, 1, **fields), where=WHERE)
+
+
+# Codings no writer emits and the spec (§1 step 8, §2) forbids: refused by decode_chunk, each
+# naming the segment. Record 0 of GOLDEN is dense/all/raw [0, 4); record 1 xor/gaps/varint [8, 16).
+FORBIDDEN_RECORDS = {
+    "all positions on a sparse op": (1, {"pos": 0}, "positions 'all' with op xor"),
+    "dense with gaps positions": (0, {"pos": 1}, "must be coded dense/all/raw"),
+    "dense with varint values": (0, {"val": 2}, "must be coded dense/all/raw"),
+    "xor with zigzag values": (1, {"val": 3}, "op xor with zigzag values"),
+    "add with varint values": (1, {"op": 2}, "op add with varint values"),
+    "overwrite with varint values": (1, {"op": 3}, "op overwrite with varint values"),
+    "dense with a short count": (0, {"count": 3}, "a dense segment of 4 elements with count 3"),
+    "dense with position bytes": (0, {"plen": 2}, "a dense segment of 4 elements with count 4 "
+                                  "and 2 position bytes"),
+    "bitmap of the wrong size": (1, {"pos": 3}, "bitmap of 2 bytes for 8 elements"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORBIDDEN_RECORDS))
+def test_codings_the_spec_forbids_are_refused(name: str) -> None:
+    i, fields, match = FORBIDDEN_RECORDS[name]
+    frame = with_record(GOLDEN, i, **fields)
+    if "plen" in fields:  # keep the streams' total consistent so the record check is what fails
+        frame = with_record(frame, 1, plen=0)
+    with pytest.raises(FormatError, match=f"{WHERE} segment {i}: .*{match}"):
+        decode_chunk(frame, where=WHERE)
+
+
+@pytest.mark.parametrize(("op", "values"), [(Op.XOR, Values.RAW), (Op.ADD, Values.RAW)])
+def test_raw_values_on_xor_and_add_are_a_stated_leniency(op: Op, values: Values) -> None:
+    frame = with_record(GOLDEN, 1, op=op, val=values)
+    seg = decode_chunk(frame, where=WHERE).segments[1]
+    assert (seg.op, seg.values) == (op, values)
+
+
+def test_reserved_fields_are_ignored_on_read() -> None:
+    frame = with_record(with_header(GOLDEN, reserved=7), 1, reserved=9)
+    assert [s.pos_bytes.tobytes() for s in decode_chunk(frame, where=WHERE).segments] == \
+        [s.pos_bytes.tobytes() for s in decode_chunk(GOLDEN, where=WHERE).segments]
 
 
 def _compressed_with_body(body: bytes, raw_len: int = 13) -> bytes:

@@ -13,16 +13,10 @@ import numpy as np
 import pytest
 
 from weighthub.codec import EncodePolicy, Segment, encode_segment
+from weighthub.digest import ZERO_DIGEST, digest_add, digest_affine, digest_bits, digest_change
 from weighthub.errors import PlacementError, UsageError
 from weighthub.layout import Piece, ShardBox, check_tiling, gap_positions, plan_pieces, segment_outside
-from weighthub.tensors import (
-    DTYPE_BY_NAME,
-    ZERO_DIGEST,
-    digest_add,
-    digest_affine,
-    digest_bits,
-    digest_change,
-)
+from weighthub.tensors import DTYPE_BY_NAME
 
 
 def shard_boxes(shape: tuple[int, ...], dim: int, world: int) -> list[ShardBox]:

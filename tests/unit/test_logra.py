@@ -7,19 +7,23 @@ deterministic and take seconds.
 
 from __future__ import annotations
 
+import json
 import math
+import struct
 
 import pytest
 import torch
+import xxhash
 
-from weighthub.errors import BaseMismatch, ChecksumError, FormatError, UsageError
-from weighthub.tensors import tensor_digest
+from weighthub.digest import tensor_digest
+from weighthub.errors import BaseMismatch, ChecksumError, FormatError, IntegrityError, UsageError
 from weighthub.train import (
     CompactReceiver,
     KLProbe,
     LoGRA,
     apply_low_rank,
     encode_update,
+    parse_update,
     rademacher,
     split_params,
 )
@@ -247,6 +251,41 @@ def test_compact_payload_refuses_corruption_and_a_wrong_base():
     with pytest.raises(BaseMismatch):
         r.apply(payload)  # applying twice: the masters are no longer at its base
     assert all(torch.equal(held[n], t.view(torch.int32)) for n, t in r.masters.items())
+
+
+def _retagged(payload: bytes, name: str, digest: bytes) -> bytes:
+    """The payload with `name`'s declared result digest replaced (a well-formed frame)."""
+    (hlen,) = struct.unpack_from("<I", payload, 8)
+    header = json.loads(payload[12:12 + hlen])
+    for e in header["entries"]:
+        if e["name"] == name:
+            e["digest"] = digest.hex()
+    head = json.dumps(header, separators=(",", ":")).encode()
+    frame = payload[:8] + struct.pack("<I", len(head)) + head + payload[12 + hlen:-16]
+    return frame + xxhash.xxh3_128_digest(frame)
+
+
+def test_compact_replay_that_misses_the_trainers_digest_is_rolled_back():
+    """The replayed words go through the engine: written in place, digests checked, and on a
+    mismatch every master is restored exactly (the masters are the engine's target)."""
+    m = tiny_lm()
+    opt = make(m, record_updates=True)
+    initial = {n: p.detach().clone() for n, p in m.named_parameters()}
+    pg_loss(m, *batch(0)).backward()
+    opt.step()
+    payload = encode_update(opt.last_update)
+    r = CompactReceiver({n: t.clone() for n, t in initial.items()})
+    before = {n: t.view(torch.int32).clone() for n, t in r.masters.items()}
+    tensors = {n: t for n, t in r.masters.items()}  # updated in place, never replaced
+    last = parse_update(payload)[1][-1].name  # the last entry: the others are written first
+    with pytest.raises(IntegrityError, match="differ from the manifest's digests"):
+        r.apply(_retagged(payload, last, bytes(16)))
+    assert all(torch.equal(before[n], t.view(torch.int32)) for n, t in r.masters.items())
+    assert r.step is None
+    r.apply(payload)
+    assert r.step == 1 and all(r.masters[n] is t for n, t in tensors.items())
+    assert {n: tensor_digest(t) for n, t in r.masters.items()} == \
+        {n: tensor_digest(p.detach()) for n, p in m.named_parameters()}
 
 
 # -- predicted-KL step control -----------------------------------------------------------------

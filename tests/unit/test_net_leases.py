@@ -11,8 +11,9 @@ import torch
 
 from weighthub.cluster.leases import LeasedTarget, ReadLeases
 from weighthub.errors import LimitError, PeerUnavailable
-from weighthub.targets import Held, StateDictTarget
+from weighthub.targets import Held, StateDictTarget, Target
 from weighthub.tensors import bits
+from weighthub.testing import TargetTests
 
 
 def held_target(version: int = 3) -> StateDictTarget:
@@ -82,3 +83,24 @@ def test_an_expired_lease_does_not_hold_the_apply() -> None:
     time.sleep(0.3)
     assert leases.begin_apply() and leases.last_wait_s < 15  # not the 30 s wait_s
     leases.end_apply()
+
+
+class TestLeasedTargetKit(TargetTests):
+    """The shipped Target kit (weighthub.testing) on a leased target; after every commit or
+    abort the lease gate must be open again (reads of the held version served)."""
+
+    def make_target(self) -> Target:
+        inner = StateDictTarget({})
+        self.leases = ReadLeases(inner, wait_s=5)
+        return LeasedTarget(inner, self.leases)
+
+    def test_gate_reopens_after_commit_and_abort(self) -> None:
+        target = self.make_target()
+        self.commit_version(target, seed=1, version=8)
+        assert self.leases.held_versions() == [8]
+        target.open(target.specs() or [])
+        assert self.leases.held_versions() == []  # applying: nothing served
+        target.abort()
+        assert self.leases.held_versions() == [8]
+        name = self.model_specs()[0].name
+        assert self.leases.read(8, "reader", name, 0, 4)

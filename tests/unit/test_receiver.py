@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-import weighthub.receive as receive_mod
+import weighthub.receive.apply as apply_mod
 from weighthub import catalog
+from weighthub.digest import tensor_digest
 from weighthub.errors import (
     ApplyError,
     BaseMismatch,
@@ -36,7 +37,7 @@ from weighthub.receive import Receiver
 from weighthub.store import LocalStore, MemoryStore, Store
 from weighthub.targets import Held, ModuleTarget, StateDictTarget
 from weighthub.targets.base import unique_views
-from weighthub.tensors import bits, tensor_digest
+from weighthub.tensors import bits
 
 SPAN = 16 << 10  # small chunks, so one version has several chunks and segments
 
@@ -290,7 +291,7 @@ def test_newcomer_failure_leaves_nothing(store: Store) -> None:
 @pytest.mark.parametrize("fail_after", [0, 1, 5, 12])
 def test_exception_midway_through_apply(at_v1, monkeypatch: pytest.MonkeyPatch, fail_after: int) -> None:
     _store, _pub, states, target, rx = at_v1
-    real = receive_mod.apply_segment
+    real = apply_mod.apply_segment
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -299,13 +300,13 @@ def test_exception_midway_through_apply(at_v1, monkeypatch: pytest.MonkeyPatch, 
         calls["n"] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(receive_mod, "apply_segment", flaky)
+    monkeypatch.setattr(apply_mod, "apply_segment", flaky)
     with pytest.raises(ApplyError, match="rolled back") as info:
         rx.sync(2)
     assert isinstance(info.value.__cause__, RuntimeError)
     assert calls["n"] == fail_after  # it really failed midway, after that many segments
     _assert_unchanged(target, rx, states)
-    monkeypatch.setattr(receive_mod, "apply_segment", real)
+    monkeypatch.setattr(apply_mod, "apply_segment", real)
     rx.sync(2)  # the next attempt succeeds
     _assert_unchanged(target, rx, states, 2)
 
@@ -315,7 +316,7 @@ def test_failure_in_the_second_delta_of_a_chain(store: Store, monkeypatch: pytes
     target = StateDictTarget({})
     rx = Receiver(store, target)
     rx.sync(0)
-    real = receive_mod.apply_segment
+    real = apply_mod.apply_segment
     seen: list[str] = []
 
     def counting(seg, dst, dtype, undo, where, **kw):
@@ -324,7 +325,7 @@ def test_failure_in_the_second_delta_of_a_chain(store: Store, monkeypatch: pytes
             raise RuntimeError("fails inside v2")
         return real(seg, dst, dtype, undo, where, **kw)
 
-    monkeypatch.setattr(receive_mod, "apply_segment", counting)
+    monkeypatch.setattr(apply_mod, "apply_segment", counting)
     with pytest.raises(ApplyError):
         rx.sync(2)
     n_first = sum(catalog.version_dir(1) in w for w in seen)
@@ -564,7 +565,7 @@ def test_incremental_and_full_verify_agree_and_time_the_pause(store: Store) -> N
 def test_incremental_verify_sees_a_wrong_word_written(at_v1, monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernels fold what they write into the digest: a wrong word written is a mismatch."""
     _store, _pub, states, target, rx = at_v1
-    real = receive_mod.apply_segment
+    real = apply_mod.apply_segment
     hits = {"n": 0}
 
     def off_by_one(seg, dst, dtype, undo, where, **kw):
@@ -575,7 +576,7 @@ def test_incremental_verify_sees_a_wrong_word_written(at_v1, monkeypatch: pytest
             seg = replace(seg, val_bytes=vals)
         return real(seg, dst, dtype, undo, where, **kw)
 
-    monkeypatch.setattr(receive_mod, "apply_segment", off_by_one)
+    monkeypatch.setattr(apply_mod, "apply_segment", off_by_one)
     with pytest.raises(IntegrityError, match="differ from the manifest's digests"):
         rx.sync(2)
     assert hits["n"] == 1
@@ -587,7 +588,7 @@ def test_a_write_behind_the_kernels_back_needs_full_verify(at_v1,
     """The trade-off of folding digests in the kernels: memory changed after the kernel wrote is
     not re-read by incremental verification; verify="full" re-reads it and rolls back."""
     store, _pub, states, target, _rx = at_v1
-    real = receive_mod.apply_segment
+    real = apply_mod.apply_segment
 
     def clobber(seg, dst, dtype, undo, where, **kw):
         entry = real(seg, dst, dtype, undo, where, **kw)
@@ -595,7 +596,7 @@ def test_a_write_behind_the_kernels_back_needs_full_verify(at_v1,
             dst[entry.positions[0]] ^= dst.dtype.type(1)  # a stray write after the kernel's
         return entry
 
-    monkeypatch.setattr(receive_mod, "apply_segment", clobber)
+    monkeypatch.setattr(apply_mod, "apply_segment", clobber)
     with pytest.raises(IntegrityError, match="differ from the manifest's digests"):
         Receiver(store, target, verify="full").sync(2)
     _assert_unchanged(target, Receiver(store, target), states)
@@ -622,10 +623,10 @@ def test_views_that_partly_share_memory_are_refused(store: Store) -> None:
     # views whose byte extents interleave but share no byte pass; exact aliases (tied) pass
     buf = np.zeros((8, 6), np.uint16)
     ok = {"even": buf[:, 0::2], "odd": buf[:, 1::2], "tied": buf[:, 0::2], "own": np.zeros(4)}
-    receive_mod._check_disjoint(ok, unique_views(ok))
+    apply_mod.check_disjoint(ok, unique_views(ok))
     bad = {"even": buf[:, 0::2], "cols": buf[:, 2:4]}
     with pytest.raises(PlacementError, match="partly share memory"):
-        receive_mod._check_disjoint(bad, unique_views(bad))
+        apply_mod.check_disjoint(bad, unique_views(bad))
 
 
 def test_held_digests_without_the_receiver_cache(at_v1) -> None:
@@ -706,7 +707,7 @@ def test_stale_staged_version_is_refused(at_v1) -> None:
 def test_failed_apply_of_a_staged_version_rolls_back(at_v1, monkeypatch: pytest.MonkeyPatch) -> None:
     _store, _pub, states, target, rx = at_v1
     staged = rx.stage(2)
-    real = receive_mod.apply_segment
+    real = apply_mod.apply_segment
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -715,11 +716,11 @@ def test_failed_apply_of_a_staged_version_rolls_back(at_v1, monkeypatch: pytest.
         calls["n"] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(receive_mod, "apply_segment", flaky)
+    monkeypatch.setattr(apply_mod, "apply_segment", flaky)
     with pytest.raises(ApplyError, match="rolled back"):
         rx.apply(staged)
     assert calls["n"] == 3
     _assert_unchanged(target, rx, states)
-    monkeypatch.setattr(receive_mod, "apply_segment", real)
+    monkeypatch.setattr(apply_mod, "apply_segment", real)
     rx.apply(staged)  # still staged against what the target holds: it applies
     _assert_unchanged(target, rx, states, 2)

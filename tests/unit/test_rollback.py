@@ -14,7 +14,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import weighthub.receive as receive_mod
+import weighthub.receive.apply as apply_mod
 from reference_codec import make_pair, ref_segment, u8
 from weighthub import catalog
 from weighthub.codec import (
@@ -28,14 +28,14 @@ from weighthub.codec import (
     coding_invertible,
     encode_segment,
 )
-from weighthub.codec.digest import lanes_digest
+from weighthub.digest import digest_add, digest_affine, digest_sub, lanes_digest
 from weighthub.errors import ApplyError, BaseMismatch, ChecksumError, FormatError, IntegrityError
 from weighthub.format import Manifest, TensorEntry, encode_manifest
 from weighthub.publish import Publisher
 from weighthub.receive import Receiver
 from weighthub.store import LocalStore, MemoryStore, Store
 from weighthub.targets import SafetensorsTarget, StateDictTarget
-from weighthub.tensors import DTYPES, DType, bits, digest_add, digest_affine, digest_sub
+from weighthub.tensors import DTYPES, DType, bits
 
 SPAN = 16 << 10  # small chunks: several chunks and segments per version
 
@@ -227,8 +227,8 @@ class CountingStore:
         self.inner = inner
         self.chunk_bytes = 0
 
-    def get(self, key: str) -> bytes:
-        data = self.inner.get(key)
+    def get(self, key: str, *, timeout: float | None = None) -> bytes:
+        data = self.inner.get(key, timeout=timeout)
         if key.endswith(".whc"):
             self.chunk_bytes += len(data)
         return data
@@ -390,7 +390,7 @@ def test_digest_mismatch_after_undoing_rolls_back_to_the_held_version(at_v3) -> 
 def test_exception_midway_through_undoing(at_v3, monkeypatch: pytest.MonkeyPatch,
                                           fail_after: int) -> None:
     _store, states, target, rx = at_v3
-    real = receive_mod.apply_segment
+    real = apply_mod.apply_segment
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -400,12 +400,12 @@ def test_exception_midway_through_undoing(at_v3, monkeypatch: pytest.MonkeyPatch
         calls["n"] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(receive_mod, "apply_segment", flaky)
+    monkeypatch.setattr(apply_mod, "apply_segment", flaky)
     with pytest.raises(ApplyError, match="rolled back"):
         rx.sync(1)
     assert calls["n"] == fail_after
     _unchanged(target, rx, states)
-    monkeypatch.setattr(receive_mod, "apply_segment", real)
+    monkeypatch.setattr(apply_mod, "apply_segment", real)
     rx.sync(1)
     assert same_bits(target.state, states[1])
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from weighthub.errors import BaseMismatch, FormatError, LimitError, UsageError
 from weighthub.targets import SafetensorsTarget, load_checkpoint
 from weighthub.targets.base import Held
-from weighthub.targets.safetensors_file import MAX_HEADER_BYTES, read_header
+from weighthub.targets.safetensors_header import MAX_HEADER_BYTES, read_header
 from weighthub.tensors import bits, specs_of
 
 HELD = Held("file:///store", "0" * 32, 3, "1" * 32)

@@ -7,19 +7,17 @@ import pytest
 import torch
 import xxhash
 
+from weighthub.digest import digest_bits, root_digest, tensor_digest
 from weighthub.errors import ModelMismatch, UnknownCodecError, UsageError
 from weighthub.tensors import (
     DTYPES,
     TensorSpec,
     bits,
     check_same_model,
-    digest_bits,
     dtype_named,
     dtype_of,
     model_diff,
-    root_digest,
     specs_of,
-    tensor_digest,
 )
 
 

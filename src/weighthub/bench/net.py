@@ -27,151 +27,37 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import re
 import secrets
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError, WeighthubError
-from .netlab import NetLab, child_env, require_root
+from ..errors import UsageError
+from .net_procs import (
+    START_S,
+    STEP_S,
+    Agent,
+    BenchError,
+    Cluster,
+    Lines,
+    Node,
+    Progress,
+    Spawn,
+    spawner,
+)
+from .netlab import NetLab, require_root
 from .shaped_agents import BUCKET, MiB
 
-Spawn = Callable[[list[str], dict[str, str]], "subprocess.Popen[bytes]"]
-Progress = Callable[[str], None]
-START_S = 120.0  # process starts import torch: slow on a loaded 2-core machine
-STEP_S = 120.0
 DEGREE = 2
-RELAY_POLL_S = "2"
-STORE_POLL_S = "0.1"
 
 
-class BenchError(WeighthubError):
-    """A benchmark process failed or did not answer in time."""
-
-
-class _Lines:
-    """Reads a process's stdout lines on a thread; `get` waits with a timeout."""
-
-    def __init__(self, proc: subprocess.Popen[bytes], name: str) -> None:
-        self.proc, self.name = proc, name
-        self.q: queue.Queue[tuple[float, str] | None] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            self.q.put((time.monotonic(), raw.decode(errors="replace")))
-        self.q.put(None)
-
-    def get(self, timeout: float) -> tuple[float, str]:
-        try:
-            item = self.q.get(timeout=timeout)
-        except queue.Empty:
-            raise BenchError(f"{self.name}: no output within {timeout:.0f}s") from None
-        if item is None:
-            raise BenchError(f"{self.name} exited ({self.proc.wait()})")
-        return item
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-
-class _Agent(_Lines):
-    def call(self, op: str, timeout: float = STEP_S, **args: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps({"op": op, **args}) + "\n").encode())
-        self.proc.stdin.flush()
-        doc = json.loads(self.get(timeout)[1])
-        if not doc.pop("ok"):
-            raise BenchError(f"{self.name}: {doc['error']}")
-        return dict(doc)
-
-
-class _Node(_Lines):
-    """A `weighthub serve node --json` process; events are kept with their arrival time."""
-
-    def __init__(self, proc: subprocess.Popen[bytes], name: str) -> None:
-        super().__init__(proc, name)
-        self.events: list[tuple[float, dict[str, Any]]] = []
-        self.address = ""
-
-    def until(self, pred: Callable[[dict[str, Any]], bool], timeout: float) -> tuple[float, dict[str, Any]]:
-        for t, e in self.events:
-            if pred(e):
-                return t, e
-        end = time.monotonic() + timeout
-        while True:
-            t, line = self.get(max(0.01, end - time.monotonic()))
-            try:
-                e = json.loads(line)
-            except ValueError:
-                continue
-            self.events.append((t, e))
-            if e.get("event") == "listening":
-                self.address = e["address"]
-            if e.get("event") == "error":
-                raise BenchError(f"{self.name}: {e['error']}")
-            if pred(e):
-                return t, e
-
-    def synced(self, version: int, timeout: float = STEP_S) -> tuple[float, dict[str, Any]]:
-        return self.until(lambda e: e.get("event") == "synced" and e["version"] == version, timeout)
-
-
-class _Cluster:
-    """Spawns nodes for one region (a spawn function: loopback or a namespace)."""
-
-    def __init__(self, spawn: Spawn, store: str, secret_file: Path, host: str, region: str,
-                 env: dict[str, str]) -> None:
-        self.spawn, self.store, self.secret_file = spawn, store, secret_file
-        self.host, self.region, self.env = host, region, env
-        self.count = 0
-
-    def start(self, hub: str | None, n: int, tag: str) -> list[_Node]:
-        nodes = []
-        # relay nodes learn of a version from the relayed manifest and poll the hub only as a
-        # fallback; store nodes have only their poll of the store to learn from
-        poll = RELAY_POLL_S if hub else STORE_POLL_S
-        for _ in range(n):
-            self.count += 1
-            name = f"{tag}{self.count}"
-            argv = [sys.executable, "-m", "weighthub.cli", "serve", "node", self.store, "memory://",
-                    "--secret-file", str(self.secret_file), "--id", name, "--host", self.host,
-                    "--labels", f"region={self.region},zone=z1,host={name}", "--poll", poll,
-                    "--timeout", "5", "--json", *(["--hub", hub] if hub else [])]
-            nodes.append(_Node(self.spawn(argv, self.env), name))
-        for nd in nodes:
-            nd.until(lambda e: e.get("event") == "listening", START_S)
-        return nodes
-
-
-def _spawner(lab: NetLab | None = None, ns: Any = None) -> Spawn:
-    def spawn(argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        kw: dict[str, Any] = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE,
-                              "stderr": subprocess.DEVNULL, "env": child_env(env)}
-        if lab is not None:
-            return lab.spawn(ns, argv, **kw)
-        return subprocess.Popen(argv, start_new_session=True, **kw)
-    return spawn
-
-
-def _start_hub(spawn: Spawn, tmp: Path, secret_file: Path, host: str) -> tuple[_Lines, str]:
-    hub = _Lines(spawn([sys.executable, "-m", "weighthub.cluster.hub", "--db", str(tmp / f"hub-{host}.db"),
+def _start_hub(spawn: Spawn, tmp: Path, secret_file: Path, host: str) -> tuple[Lines, str]:
+    hub = Lines(spawn([sys.executable, "-m", "weighthub.cluster.hub", "--db", str(tmp / f"hub-{host}.db"),
                         "--secret-file", str(secret_file), "--host", host, "--port", "0",
                         "--lease-ttl", "5", "--fanout", str(DEGREE)], {}), "hub")
     _t, line = hub.get(START_S)
@@ -181,7 +67,7 @@ def _start_hub(spawn: Spawn, tmp: Path, secret_file: Path, host: str) -> tuple[_
     return hub, m.group(1)
 
 
-def _refit(agent: _Agent, nodes: Sequence[_Node], *, link: Any = None,
+def _refit(agent: Agent, nodes: Sequence[Node], *, link: Any = None,
            kill: dict[str, int] | None = None) -> dict[str, Any]:
     """Publish the next version; wait until every (surviving) node committed it; check roots."""
     before = link.wire_bytes() if link is not None else 0
@@ -207,10 +93,10 @@ def _refit(agent: _Agent, nodes: Sequence[_Node], *, link: Any = None,
     return out
 
 
-Extra = Callable[[list[_Node]], dict[str, Any]]
+Extra = Callable[[list[Node]], dict[str, Any]]
 
 
-def _run_modes(agent: _Agent, cluster: _Cluster, hub: str, counts: Sequence[int], say: Progress, *,
+def _run_modes(agent: Agent, cluster: Cluster, hub: str, counts: Sequence[int], say: Progress, *,
                reps: int, link: Any = None, rate: float | None = None,
                extra: Extra | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Relay-mode nodes (with the hub), then store-mode nodes (without): `reps` refits per count,
@@ -260,7 +146,7 @@ def _idle_rate(link: Any, seconds: float = 2.0) -> int:
     return int((link.wire_bytes() - before) / seconds)
 
 
-def _latest(nodes: Sequence[_Node]) -> int:
+def _latest(nodes: Sequence[Node]) -> int:
     """The version a fresh node set syncs to first: what the first node reports."""
     _t, e = nodes[0].until(lambda e: e.get("event") == "synced", START_S)
     return int(e["version"])
@@ -311,9 +197,9 @@ def run_net_bench(counts: Sequence[int] = (2, 4, 8), *, size_mib: int = 48, rate
 
 def _loopback(tmp: Path, secret_file: Path, counts: Sequence[int], size_mib: int, reps: int,
               say: Progress) -> dict[str, Any]:
-    spawn = _spawner()
+    spawn = spawner()
     hub, hub_addr = _start_hub(spawn, tmp, secret_file, "127.0.0.1")
-    agent = _Agent(spawn([sys.executable, "-m", "weighthub.bench.net_agents", "publisher"], {}), "publisher")
+    agent = Agent(spawn([sys.executable, "-m", "weighthub.bench.net_agents", "publisher"], {}), "publisher")
     try:
         store = str(tmp / "store")
         agent.call("start", timeout=START_S, store=store, hub=hub_addr, secret_file=str(secret_file),
@@ -322,7 +208,7 @@ def _loopback(tmp: Path, secret_file: Path, counts: Sequence[int], size_mib: int
         say(f"loopback: {loaded['dense_bytes'] / MiB:.0f} MiB state ({loaded['source']}); v0 full")
         agent.call("publish")
         agent.call("publish")  # v1, the real step: the timed refits are all synthetic 3% steps
-        cluster = _Cluster(spawn, store, secret_file, "127.0.0.1", "a", {})
+        cluster = Cluster(spawn, store, secret_file, "127.0.0.1", "a", {})
         rows, extras = _run_modes(agent, cluster, hub_addr, counts, say, reps=reps,
                                   extra=_join_and_kill(agent, cluster, hub_addr, say))
         return {"loopback": rows, **extras, "state": loaded}
@@ -331,10 +217,10 @@ def _loopback(tmp: Path, secret_file: Path, counts: Sequence[int], size_mib: int
         hub.stop()
 
 
-def _join_and_kill(agent: _Agent, cluster: _Cluster, hub: str, say: Progress, *, link: Any = None,
+def _join_and_kill(agent: Agent, cluster: Cluster, hub: str, say: Progress, *, link: Any = None,
                    kill: bool = True) -> Extra:
     """(c) a newcomer joins from the holders, another from the store; (d) a relay killed mid-refit."""
-    def run(nodes: list[_Node]) -> dict[str, Any]:
+    def run(nodes: list[Node]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for how, hub_or_none in (("holders", hub), ("store", None)):
             [newcomer] = cluster.start(hub_or_none, 1, f"join-{how}-")
@@ -365,9 +251,9 @@ def _shaped(tmp: Path, secret_file: Path, counts: Sequence[int], size_mib: int, 
         with SeaweedServer.start(bucket=BUCKET, lab=lab, ns=a, host=link.a_addr,
                                  workdir=tmp / "seaweed") as s3:
             env = s3.env()
-            spawn_a, spawn_b = _spawner(lab, a), _spawner(lab, b)
+            spawn_a, spawn_b = spawner(lab, a), spawner(lab, b)
             _hub, hub_addr = _start_hub(spawn_a, tmp, secret_file, link.a_addr)
-            agent = _Agent(spawn_a([sys.executable, "-m", "weighthub.bench.net_agents", "publisher"], env),
+            agent = Agent(spawn_a([sys.executable, "-m", "weighthub.bench.net_agents", "publisher"], env),
                            "publisher-a")
             store = f"s3://{BUCKET}/net"
             agent.call("start", timeout=START_S, store=store, hub=hub_addr, secret_file=str(secret_file),
@@ -376,7 +262,7 @@ def _shaped(tmp: Path, secret_file: Path, counts: Sequence[int], size_mib: int, 
             agent.call("publish")
             agent.call("publish")  # v1: the nodes start from a delta chain, like a live system
             say(f"shaped: store+hub+publisher in {a.name}, nodes in {b.name}, {rate:g} Mbit/s tbf")
-            cluster = _Cluster(spawn_b, store, secret_file, link.b_addr, "b", env)
+            cluster = Cluster(spawn_b, store, secret_file, link.b_addr, "b", env)
             rows, extras = _run_modes(agent, cluster, hub_addr, counts, say, reps=reps, link=link,
                                       rate=rate,
                                       extra=_join_and_kill(agent, cluster, hub_addr, say, link=link,

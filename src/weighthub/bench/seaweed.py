@@ -48,6 +48,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from ..errors import StoreUnavailable, UsageError
+from .s3_bucket import REGION, client, create_bucket
 
 if TYPE_CHECKING:
     from ..store.s3 import S3Store
@@ -56,7 +57,6 @@ if TYPE_CHECKING:
 START_TIMEOUT_S = 60.0
 START_ATTEMPTS = 3
 STOP_GRACE_S = 5.0
-REGION = "us-east-1"
 COMPONENTS = ("master", "volume", "filer", "s3", "admin")
 GRPC_SOCKET = "/tmp/seaweedfs-{component}-grpc-{port}.sock"  # weed's fixed path, not ours to pick
 
@@ -252,16 +252,16 @@ class SeaweedServer:
 
     def client(self) -> Any:
         """A raw botocore S3 client, to act behind a store's back (tamper, inspect)."""
-        return _client(self.endpoint, self.access_key, self.secret_key)
+        return client(self.endpoint, self.access_key, self.secret_key)
 
     def _wait_ready(self, ns: Namespace | None, timeout: float) -> None:
         """Create the bucket with a signed request, retrying until it works (or weed exits).
 
-        In a namespace the probe runs there (`python -m weighthub.bench.seaweed wait`), since
+        In a namespace the probe runs there (`python -m weighthub.bench.s3_bucket wait`), since
         the endpoint is not reachable from this one.
         """
         if ns is None:
-            problem = _create_bucket(self.endpoint, self.bucket, self.access_key, self.secret_key,
+            problem = create_bucket(self.endpoint, self.bucket, self.access_key, self.secret_key,
                                      timeout, alive=lambda: self.proc.poll() is None)
         else:
             problem = self._probe_in(ns, timeout)
@@ -277,7 +277,7 @@ class SeaweedServer:
     def _probe_in(self, ns: Namespace, timeout: float) -> str | None:
         from .netlab import child_env
 
-        argv = ns.exec_argv([sys.executable, "-m", "weighthub.bench.seaweed", "wait",
+        argv = ns.exec_argv([sys.executable, "-m", "weighthub.bench.s3_bucket", "wait",
                              self.endpoint, self.bucket, f"{timeout:g}"])
         probe = subprocess.Popen(argv, env=child_env(self.env()), stdin=subprocess.DEVNULL,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -347,55 +347,3 @@ def _signal_group(proc: subprocess.Popen[Any], sig: int) -> None:
         return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
-
-
-def _client(endpoint: str, access_key: str | None, secret_key: str | None,
-            config: Any = None) -> Any:
-    """A raw S3 client from botocore (the `s3` extra's one dependency; boto3 is not required)."""
-    import botocore.session
-
-    return botocore.session.get_session().create_client(
-        "s3", endpoint_url=endpoint, region_name=REGION, aws_access_key_id=access_key,
-        aws_secret_access_key=secret_key, config=config)
-
-
-def _create_bucket(endpoint: str, bucket: str, access_key: str | None, secret_key: str | None,
-                   timeout: float, alive: Any = None) -> str | None:
-    """Create `bucket` with a signed request, retrying until it works: None, or why it did not.
-
-    The S3 gateway answers before the filer behind it takes writes, so early failures are
-    expected; `alive()` returning False (weed exited) ends the wait at once.
-    """
-    from botocore.config import Config
-
-    s3 = _client(endpoint, access_key, secret_key,
-                 Config(connect_timeout=1, read_timeout=5, retries={"max_attempts": 0}))
-    deadline = time.monotonic() + timeout
-    last: Exception | None = None
-    while time.monotonic() < deadline and (alive is None or alive()):
-        try:
-            s3.create_bucket(Bucket=bucket)
-            return None
-        except Exception as exc:  # not up yet: connection refused, filer not ready
-            code = getattr(exc, "response", {}).get("Error", {}).get("Code")
-            if code in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
-                return None
-            last = exc
-            time.sleep(0.05)
-    return f"could not create bucket {bucket!r}: {last}"
-
-
-def _main(argv: list[str]) -> int:
-    if len(argv) == 4 and argv[0] == "wait":  # run inside the namespace; keys from the env
-        problem = _create_bucket(argv[1], argv[2], os.environ.get("AWS_ACCESS_KEY_ID"),
-                                 os.environ.get("AWS_SECRET_ACCESS_KEY"), float(argv[3]))
-        if problem is not None:
-            print(problem, flush=True)
-            return 1
-        return 0
-    print("usage: python -m weighthub.bench.seaweed wait ENDPOINT BUCKET TIMEOUT", file=sys.stderr)
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

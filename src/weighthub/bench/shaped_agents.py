@@ -50,7 +50,8 @@ def agent_argv(role: str, workdir: Path) -> list[str]:
 
 
 def _root(state: dict[str, Any]) -> str:
-    from ..tensors import bits, digest_bits, root_digest, specs_of
+    from ..digest import digest_bits, root_digest
+    from ..tensors import bits, specs_of
 
     return root_digest((s, digest_bits(bits(state[s.name]))) for s in specs_of(state)).hex()
 
@@ -104,10 +105,11 @@ class _TimedStore:
         self.inner, self.url, self.busy = inner, inner.url, 0.0
         self._lock = threading.Lock()
 
-    def put(self, key: str, data: Any, *, create_only: bool = False) -> None:
+    def put(self, key: str, data: Any, *, create_only: bool = False,
+            timeout: float | None = None) -> None:
         t0 = time.perf_counter()
         try:
-            self.inner.put(key, data, create_only=create_only)
+            self.inner.put(key, data, create_only=create_only, timeout=timeout)
         finally:
             with self._lock:
                 self.busy += time.perf_counter() - t0

@@ -5,7 +5,7 @@ every TTL/3 and reports what it holds and its load; `set_versions`/`set_load` ch
 next heartbeat says), `stop()` at the end (leaves the hub). A publisher: `plan(v, publisher=me)`
 before streaming version v, `report_failed` when a relay node dies, `announce_committed(store,
 v)` after the manifest's create-only write (a one-shot publisher, `weighthub publish --hub`,
-only announces). Receivers: `sources(key, v)` (or `peer_sources(key)` as PeerStore's callable),
+only announces). Receivers: `sources(key, v)` (or `peer_sources(ref)` as a HolderSource's ranking),
 `latest()`, `plan(v)`. A hub that knows no version yet (nothing announced) answers `latest()`
 with None and `sources` with VersionNotFound: receivers then read the store, a normal state.
 
@@ -30,7 +30,7 @@ from .. import catalog, errors
 from ..errors import LimitError, NetError, PeerUnavailable, UsageError, VersionNotFound, WeighthubError
 from ..format import chunk_checksum, decode_manifest
 from ..net.auth import AUTH_HEADER, body_digest, sign
-from ..net.server import key_version
+from ..sources import ChunkId
 from ..store.base import Store
 from .plan import RelayTree
 from .topology import Labels
@@ -260,13 +260,13 @@ class HubClient:
     def sources(self, key: str, version: int, *, dense: bool = False) -> list[str]:
         """Ranked chunk-server addresses ("host:port") holding `version`, nearest and least loaded first.
 
-        The store is not listed: a PeerStore falls back to its own backing store. `dense`: only
+        The store is not listed: it is a receiver's last source anyway. `dense`: only
         holders that serve dense reads.
         """
         return [s.address for s in self.source_details(key, version, dense=dense) if s.tier != "store"]
 
-    def peer_sources(self, key: str) -> list[str]:
-        """`sources` for PeerStore (version from the key): never raises, never stalls every chunk.
+    def peer_sources(self, ref: ChunkId) -> list[str]:
+        """`sources` of a chunk for a HolderSource: never raises, never stalls every chunk.
 
         A hub that fails is skipped for the next `timeout` seconds (the receiver uses the store),
         so a dead hub costs one timeout per period, not one per chunk.
@@ -274,9 +274,7 @@ class HubClient:
         if time.monotonic() < self._down_until:
             return []
         try:
-            return self.sources(key, key_version(key))
-        except LimitError:
-            return []  # not a version's key: only the store has it
+            return self.sources(ref.key, ref.version)
         except VersionNotFound:
             # a normal state, not a failure: the hub knows no such version (it was published
             # without announcing it, or released), so it knows no holders; the store has it
@@ -284,7 +282,7 @@ class HubClient:
         except WeighthubError as exc:
             if isinstance(exc, PeerUnavailable):
                 self._down_until = time.monotonic() + self.timeout
-            log.warning("hub sources for %s failed (%s); using the store", key, exc)
+            log.warning("hub sources for %s failed (%s); using the store", ref.key, exc)
             return []
 
     # -- relay plans ---------------------------------------------------------------------------

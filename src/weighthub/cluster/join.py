@@ -1,20 +1,24 @@
-"""Elastic join: a node with no weights copies the latest version's dense bits from holders.
+"""Elastic join: a node with no weights gets the latest version's dense bits from holders.
 
 A newcomer needs a whole version, not a delta. The store offers one only as an anchor plus a
 chain of deltas (or a full representation written every K versions); every holder that
 committed version v holds v's bits in memory and serves them as dense tensor ranges under read
-leases (`leases`). So the join stripes the version's canonical bytes over the nearest holders
-(ranges of `range_bytes`, round-robin; each range fails over to the next holder), writes them
-straight into the target opened for v, and proves them before committing:
+leases (`leases`). So the join is a *source of a full representation* of v, fed to the one
+transaction engine (`receive.transact`) like any other input:
 
     trust    the version's primary manifest, read from the store (its create-only write is the
-             commit); its tensor digests and root are what the bits must make
-    verify   every tensor's digest against the manifest; a tensor that does not match is
-             re-read from a holder that did not serve any of it (a corrupt or lying holder is
-             excluded for the rest of the join); the root is checked last
-    commit   `target.commit(Held(store, model, v, root))`, or `abort()` on any failure: the
-             target holds nothing rather than mixed bits, and the caller falls back to the
-             store (a Receiver over a PeerStore: anchor + deltas)
+             commit); its tensor digests and root are what the bits must make, and its table
+             must make its root (checked before the target is touched)
+    read     the version's tensors in batches, each as ranges of `range_bytes` striped
+             round-robin over the nearest holders; a range fails over to the next holder
+    check    every tensor's digest against the manifest as it arrives; a tensor that does not
+             match is re-read from holders that did not serve any of it (a corrupt or lying
+             holder is excluded for the rest of the join)
+    engine   each checked tensor is a chunk of a full representation (one dense segment): the
+             engine applies it to the target opened for v while the next batch is read,
+             verifies every tensor's digest, and commits `Held(store, model, v, root)` or rolls
+             back and aborts: the target holds nothing rather than mixed bits, and the caller
+             falls back to the store (a Receiver over a PeerStore: anchor + deltas)
 
 Leases: every holder the join read from is sent `release` at the end (best effort: an
 unreleased lease expires after the holder's TTL), so holders defer an apply only while the
@@ -28,22 +32,28 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from .. import catalog
+from ..codec import Op, Positions, Segment, Values
+from ..digest import digest_bits, root_digest
 from ..errors import IntegrityError, NetError, PeerUnavailable, UsageError, WeighthubError
+from ..format import ChunkFrame, ChunkRef, Manifest
 from ..net.client import PeerClient, Timeouts
+from ..receive import Chunk, Step, transact
 from ..store.base import Store
-from ..targets.base import Held, Target
-from ..tensors import TensorSpec, digest_bits, root_digest
+from ..targets.base import Target
+from ..tensors import TensorSpec, check_same_model
 
 log = logging.getLogger(__name__)
 
 RANGE_BYTES = 8 << 20  # one dense read: a few ms on a LAN, small enough to stripe a tensor
+BATCH_RANGES = 4  # ranges per stripe in one batch: bounds the tensors held before the apply
 _VERIFY_ROUNDS = 2  # re-reads of mismatching tensors before giving up on holders
 JOIN_TIMEOUTS = Timeouts(connect=2.0, io=5.0, deadline=30.0)
 
@@ -114,9 +124,11 @@ def join_from_holders(target: Target, store: Store, version: int, holders: Seque
 
     Raises:
         PeerUnavailable: no holder could serve some range (all failed, refused or were excluded).
-        IntegrityError: tensors still did not match the manifest after re-reads.
+        IntegrityError: tensors still did not match the manifest after re-reads, or the
+            manifest's tensor table contradicts its root.
         UsageError: the target already holds a version, or bad arguments.
-        Anything the store raises for the manifest. On every failure the target is aborted.
+        Anything the store raises for the manifest. On every failure the target is rolled back
+        and aborted (by the engine).
     """
     held = target.held()
     if held is not None:
@@ -126,95 +138,160 @@ def join_from_holders(target: Target, store: Store, version: int, holders: Seque
         raise UsageError(f"join stripes and range_bytes must be ≥ 1, got {stripes}, {range_bytes}")
     t0 = time.perf_counter()
     manifest = catalog.primary_manifest(store, version)
-    specs = manifest.specs()
-    expected = {e.name: e.digest for e in manifest.tensors}
+    full = as_full_representation(manifest)
+    specs = full.specs()
+    current = target.specs()
+    if current is not None:
+        check_same_model(specs, current, "the target")
     pool = _Holders(holders)
     if not pool.addrs:
         raise PeerUnavailable(f"no holder of version {version} to join from")
-    lease_id = lease or f"join-{uuid.uuid4().hex}"
     result = JoinResult(version)
-    counted = threading.Lock()
-    used: set[str] = set()
-    views = target.open(specs)
-    try:
-        served_by: dict[str, set[str]] = {s.name: set() for s in specs}
-
-        def read(job: tuple[int, _Range, frozenset[str]]) -> None:
-            i, r, avoid = job
-            dst = views[r.tensor].reshape(-1).view(np.uint8)
-            problems = []
-            for addr in pool.order(i, avoid):
-                with counted:
-                    used.add(addr)
-                try:
-                    data = PeerClient(addr, secret, timeouts=timeouts).dense_range(
-                        version, r.tensor, r.start, r.stop, lease=lease_id)
-                except NetError as exc:
-                    log.warning("join v%d: holder %s failed for %s[%d:%d] (%s); next holder",
-                                version, addr, r.tensor, r.start, r.stop, exc)
-                    pool.exclude(addr)
-                    problems.append(f"{addr}: {exc}")
-                    continue
-                if len(data) != r.stop - r.start:
-                    pool.exclude(addr)
-                    problems.append(f"{addr}: {len(data)} bytes for a range of {r.stop - r.start}")
-                    continue
-                dst[r.start:r.stop] = np.frombuffer(data, dtype=np.uint8)
-                with counted:
-                    result.bytes_by_holder[addr] = result.bytes_by_holder.get(addr, 0) + len(data)
-                    served_by[r.tensor].add(addr)
-                return
-            raise PeerUnavailable(f"join v{version}: no holder served {r.tensor}[{r.start}:{r.stop}] "
-                                  f"({'; '.join(problems) or 'every holder excluded'})")
-
-        todo = [s.name for s in specs]
-        by_name = {s.name: s for s in specs}
-        with ThreadPoolExecutor(max(1, stripes)) as ex:
-            for round_ in range(_VERIFY_ROUNDS + 1):
-                avoid = {n: frozenset(served_by[n]) for n in todo}
-                for n in todo:
-                    served_by[n] = set()
-                jobs = [(i, r, avoid[r.tensor])
-                        for i, r in enumerate(_ranges([by_name[n] for n in todo], range_bytes))]
-                list(ex.map(read, jobs))
-                bad = _mismatching(views, [by_name[n] for n in todo], expected, ex)
-                if not bad:
-                    break
-                liars = sorted({a for n in bad for a in served_by[n]})
-                log.warning("join v%d: %d tensor(s) do not match the manifest (%s…), served by %s; "
-                            "re-reading them from other holders", version, len(bad), bad[0], liars)
-                for a in liars:
-                    pool.exclude(a)
-                if round_ == _VERIFY_ROUNDS:
-                    raise IntegrityError(f"join v{version}: tensors {bad[:5]} still differ from the "
-                                         f"manifest's digests after {_VERIFY_ROUNDS} re-reads; "
-                                         "falling back to the store")
-                todo = bad
-        digests = {s.name: bytes.fromhex(expected[s.name]) for s in specs}
-        root = root_digest((s, digests[s.name]) for s in specs).hex()
-        if root != manifest.root:  # the manifest's own table contradicts its root
-            raise IntegrityError(f"join v{version}: tensor digests make root {root[:12]}…, the "
-                                 f"manifest says {manifest.root[:12]}…")
-        target.commit(Held(store.url, manifest.model, version, manifest.root))
-    except BaseException:
-        target.abort()
-        raise
-    finally:
-        _release(used, lease_id, secret, timeouts)
+    with HolderSource(full, pool, secret, lease=lease or f"join-{uuid.uuid4().hex}",
+                      stripes=stripes, range_bytes=range_bytes, timeouts=timeouts,
+                      counts=result.bytes_by_holder) as source:
+        transact(target, [Step(full, source.chunks())], store=store.url, held=None, specs=specs,
+                 fresh=current is None)
     result.excluded = pool.excluded()
     result.seconds = time.perf_counter() - t0
     return result
 
 
+def as_full_representation(manifest: Manifest) -> Manifest:
+    """The version's manifest as a full representation whose chunks are its whole tensors
+    (`dense/<name>`), as a join reads them from holders.
+
+    Raises IntegrityError if the manifest's tensor table does not make its root.
+    """
+    specs = manifest.specs()
+    root = root_digest((s, bytes.fromhex(e.digest)) for s, e in zip(specs, manifest.tensors,
+                                                                     strict=True)).hex()
+    if root != manifest.root:
+        raise IntegrityError(f"join v{manifest.version}: tensor digests make root {root[:12]}…, "
+                             f"the manifest says {manifest.root[:12]}…")
+    prefix = f"{catalog.version_dir(manifest.version)}/dense"
+    chunks = [ChunkRef(f"{prefix}/{s.name}", s.nbytes, "", [(ti, 0, s.numel)])
+              for ti, s in enumerate(specs)]
+    dense = sum(s.nbytes for s in specs)
+    return msgspec.structs.replace(manifest, base=None, base_root=None, chunks=chunks,
+                                   dense_bytes=dense, payload_bytes=dense,
+                                   changed=sum(s.numel for s in specs))
+
+
+class HolderSource:
+    """Reads a full representation's tensors from holders, striped, each digest-checked.
+
+    Use as a context manager: on exit its readers stop and every holder it read from is sent
+    `release(lease)`. `counts` (holder → bytes served) is updated as ranges arrive.
+    """
+
+    def __init__(self, full: Manifest, holders: _Holders, secret: bytes, *, lease: str,
+                 stripes: int, range_bytes: int, timeouts: Timeouts,
+                 counts: dict[str, int]) -> None:
+        self.full = full
+        self.holders = holders
+        self.secret = secret
+        self.lease = lease
+        self.range_bytes = range_bytes
+        self.batch_bytes = range_bytes * stripes * BATCH_RANGES
+        self.timeouts = timeouts
+        self.counts = counts
+        self._lock = threading.Lock()
+        self._used: set[str] = set()
+        self._stripe = 0  # index of the next range: consecutive ranges start on other holders
+        self._ex = ThreadPoolExecutor(stripes)
+
+    def __enter__(self) -> HolderSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._ex.shutdown(wait=True, cancel_futures=True)
+        _release(self._used, self.lease, self.secret, self.timeouts)
+
+    def chunks(self) -> Iterator[Chunk]:
+        """The representation's chunks (one per tensor), a batch of tensors at a time."""
+        specs = self.full.specs()
+        batch: list[int] = []
+        size = 0
+        for ti, s in enumerate(specs):
+            batch.append(ti)
+            size += s.nbytes
+            if size >= self.batch_bytes or ti == len(specs) - 1:
+                bufs = self._read_checked([specs[i] for i in batch])
+                for i in batch:
+                    s = specs[i]
+                    seg = Segment(i, 0, s.numel, Op.DENSE, Positions.ALL, Values.RAW, s.numel,
+                                  np.empty(0, np.uint8), bufs[s.name])
+                    yield Chunk(ChunkFrame((seg,) if s.numel else ()), self.full.chunks[i])
+                batch, size = [], 0
+
+    def _read_checked(self, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
+        """Read `specs`' bytes; re-read tensors whose digests miss the manifest's."""
+        version = self.full.version
+        expected = {e.name: e.digest for e in self.full.tensors}
+        bufs = {s.name: np.empty(s.nbytes, np.uint8) for s in specs}
+        served_by: dict[str, set[str]] = {s.name: set() for s in specs}
+        todo = list(specs)
+        for round_ in range(_VERIFY_ROUNDS + 1):
+            avoid = {s.name: frozenset(served_by[s.name]) for s in todo}
+            for s in todo:
+                served_by[s.name] = set()
+            ranges = _ranges(todo, self.range_bytes)
+            with self._lock:
+                first, self._stripe = self._stripe, self._stripe + len(ranges)
+            jobs = [(first + i, r, avoid[r.tensor]) for i, r in enumerate(ranges)]
+            list(self._ex.map(lambda job: self._read(job[0], job[1], job[2], bufs, served_by),
+                              jobs))
+            digests = self._ex.map(
+                lambda s: digest_bits(bufs[s.name].view(s.dtype.uint), threads=1).hex(), todo)
+            bad = [s for s, d in zip(todo, digests, strict=True) if d != expected[s.name]]
+            if not bad:
+                return bufs
+            liars = sorted({a for s in bad for a in served_by[s.name]})
+            log.warning("join v%d: %d tensor(s) do not match the manifest (%s…), served by %s; "
+                        "re-reading them from other holders", version, len(bad), bad[0].name, liars)
+            for a in liars:
+                self.holders.exclude(a)
+            if round_ == _VERIFY_ROUNDS:
+                raise IntegrityError(f"join v{version}: tensors {[s.name for s in bad[:5]]} still "
+                                     f"differ from the manifest's digests after {_VERIFY_ROUNDS} "
+                                     "re-reads; falling back to the store")
+            todo = bad
+        raise AssertionError("unreachable")  # the last round returns or raises
+
+    def _read(self, i: int, r: _Range, avoid: frozenset[str], bufs: dict[str, np.ndarray],
+              served_by: dict[str, set[str]]) -> None:
+        """Read range `r` into its tensor's buffer from the first holder that serves it."""
+        version = self.full.version
+        problems = []
+        for addr in self.holders.order(i, avoid):
+            with self._lock:
+                self._used.add(addr)
+            try:
+                data = PeerClient(addr, self.secret, timeouts=self.timeouts).dense_range(
+                    version, r.tensor, r.start, r.stop, lease=self.lease)
+            except NetError as exc:
+                log.warning("join v%d: holder %s failed for %s[%d:%d] (%s); next holder",
+                            version, addr, r.tensor, r.start, r.stop, exc)
+                self.holders.exclude(addr)
+                problems.append(f"{addr}: {exc}")
+                continue
+            if len(data) != r.stop - r.start:
+                self.holders.exclude(addr)
+                problems.append(f"{addr}: {len(data)} bytes for a range of {r.stop - r.start}")
+                continue
+            bufs[r.tensor][r.start:r.stop] = np.frombuffer(data, dtype=np.uint8)
+            with self._lock:
+                self.counts[addr] = self.counts.get(addr, 0) + len(data)
+                served_by[r.tensor].add(addr)
+            return
+        raise PeerUnavailable(f"join v{version}: no holder served {r.tensor}[{r.start}:{r.stop}] "
+                              f"({'; '.join(problems) or 'every holder excluded'})")
+
+
 def _ranges(specs: Sequence[TensorSpec], range_bytes: int) -> list[_Range]:
     return [_Range(s.name, a, min(a + range_bytes, s.nbytes))
             for s in specs for a in range(0, s.nbytes, range_bytes)]
-
-
-def _mismatching(views: dict[str, np.ndarray], specs: Sequence[TensorSpec],
-                 expected: dict[str, str], ex: ThreadPoolExecutor) -> list[str]:
-    digests = ex.map(lambda s: digest_bits(views[s.name], threads=1).hex(), specs)
-    return [s.name for s, d in zip(specs, digests, strict=True) if d != expected[s.name]]
 
 
 def _release(addrs: set[str], lease: str, secret: bytes, timeouts: Timeouts) -> None:

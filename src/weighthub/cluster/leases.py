@@ -27,8 +27,8 @@ import time
 
 import numpy as np
 
-from ..errors import LimitError, PeerUnavailable
-from ..targets.base import Held, Target
+from ..errors import LimitError, PeerRefused
+from ..targets.base import Held, Target, TargetWrapper
 from ..tensors import TensorSpec
 
 
@@ -60,7 +60,7 @@ class ReadLeases:
         """Bytes [start, stop) of `tensor`'s canonical bits at `version`, under `lease`.
 
         Raises:
-            PeerUnavailable: the version is not held (or is being replaced), or no new lease may
+            PeerRefused: the version is not held (or is being replaced), or no new lease may
                 open because an apply is pending.
             LimitError: unknown tensor or a range outside it.
         """
@@ -71,9 +71,9 @@ class ReadLeases:
             now = time.monotonic()
             if self._applying or held is None or held.version != version:
                 have = "nothing" if held is None or self._applying else f"version {held.version}"
-                raise PeerUnavailable(f"serving {have}, asked for dense version {version}")
+                raise PeerRefused(f"serving {have}, asked for dense version {version}")
             if self._pending and self._leases.get(lease, 0.0) < now:
-                raise PeerUnavailable(f"version {version} is being replaced; no new read leases")
+                raise PeerRefused(f"version {version} is being replaced; no new read leases")
             self._leases[lease] = now + self.ttl_s
             self._inflight += 1
         try:
@@ -123,26 +123,18 @@ class ReadLeases:
             self._cond.notify_all()
 
 
-class LeasedTarget:
+class LeasedTarget(TargetWrapper):
     """A Target whose apply waits for read leases: give it to the holder's Receiver.
 
     The Receiver calls open() at the start of its apply (inside its lock) and always ends with
-    commit() or abort(); those bracket the window in which dense reads are refused.
+    commit() or abort(); those bracket the window in which dense reads are refused. Reads
+    (held, specs, peek) go to the inner target unchanged.
     """
 
     def __init__(self, target: Target, leases: ReadLeases) -> None:
-        self.inner = target
+        super().__init__(target)
         self.leases = leases
         self.last_wait_clean = True
-
-    def held(self) -> Held | None:
-        return self.inner.held()
-
-    def specs(self) -> list[TensorSpec] | None:
-        return self.inner.specs()
-
-    def peek(self) -> dict[str, np.ndarray]:
-        return self.inner.peek()
 
     def open(self, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
         self.last_wait_clean = self.leases.begin_apply()

@@ -14,12 +14,13 @@ latest committed version, and one ChunkServer that makes it a source for others:
                without `--hub`; once the hub knows one, its latest is followed, so publish
                every version with `--hub`). A relayed manifest is used only
                if it hashes to the SHA-256 the hub recorded for that version: then a one-step
-               refit reads nothing from the store (`PeerStore.trusted_route`)
+               refit reads nothing from the store (`RelayedManifests.trusted_route`)
     sync       no weights yet: elastic join, the version's dense bits striped over the nearest
                holders (`join`), else from the store; then each new version through a Receiver
-               over a PeerStore: local cache (chunks a relay parent pushed) -> holders ranked
-               by the hub -> the store. All or nothing: a failed sync leaves the previous
-               committed version in place and is reported (event "error"), then retried
+               whose sources are: the node's cache (chunks a relay parent pushed) -> holders
+               ranked by the hub (`peers`) -> the store. All or nothing: a failed sync leaves
+               the previous committed version in place and is reported (event "error"), then
+               retried
     relay      pushed chunks are forwarded cut-through to the children the publisher's push
                names (the hub's relay tree) and staged in the cache by the ChunkServer
     serve      chunks of every version it fetched or was pushed, until the hub releases the
@@ -34,37 +35,29 @@ held, error}, "released" {versions}.
 
 from __future__ import annotations
 
-import argparse
 import logging
-import os
-import shutil
-import signal
-import socket
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 from .. import catalog
 from ..errors import NetError, NoSyncPath, UsageError, VersionNotFound, WeighthubError
-from ..net.auth import load_secret
 from ..net.client import Timeouts
 from ..net.server import ChunkServer, key_version
 from ..receive import Receiver, SyncResult
-from ..store import LocalStore, Store, open_store
+from ..sources import ChunkId, SourceList, StoreCache, StoreSource
+from ..store import Store
 from ..targets.base import Target
 from .hubclient import HubClient
 from .join import join_from_holders
 from .leases import LeasedTarget, ReadLeases
-from .peerstore import PeerStore, relayed_manifest
+from .peers import HolderSource
+from .relayed import RelayedManifests, relayed_manifest
 from .topology import Labels
 
 log = logging.getLogger(__name__)
-MEMORY_TARGET = "memory://"
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,9 +116,14 @@ class Node:
                                   port=config.port, io_timeout=config.timeout,
                                   request_timeout=max(60.0, 4 * config.timeout),
                                   on_push=self._pushed)
-        self.peers = PeerStore(backing, self._sources, secret, cache=cache,
-                               timeouts=config.peer_timeouts, cooldown_s=max(10.0, 3 * config.timeout))
-        self.receiver = Receiver(self.peers, self.target)
+        # manifests from the store (or relayed ones the hub vouched for); chunks from the
+        # cache relay parents push into, then the ranked holders, then the store
+        self.manifests = RelayedManifests(backing)
+        self.holders = HolderSource(self._rank, secret, timeouts=config.peer_timeouts,
+                                    cooldown_s=max(10.0, 3 * config.timeout))
+        self.sources = SourceList([StoreCache(cache, name=f"pushed cache {cache.url}"),
+                                   self.holders, StoreSource(backing)])
+        self.receiver = Receiver(self.manifests, self.target, sources=self.sources)
         self.last_error: str | None = None
         self.pushed = 0
         self._stop = threading.Event()
@@ -218,7 +216,7 @@ class Node:
         raw = self._relayed(version)
         if raw is not None:
             try:
-                with self.peers.trusted_route({version: raw}):
+                with self.manifests.trusted_route({version: raw}):
                     return self.receiver.sync(version)
             except (NoSyncPath, VersionNotFound) as exc:  # not a delta from `held`: the store's route
                 log.info("node %s: relayed manifest of %d is no step from %d (%s); using the store",
@@ -239,7 +237,7 @@ class Node:
         """Bring the target to `version` (see module docstring). False (and an event) on failure."""
         held = self.target.held()
         t0 = time.perf_counter()
-        before = asdict(self.peers.stats)
+        before = self.stats()
         try:
             if held is None:
                 how, nbytes, served, extra = self._join(version)
@@ -259,7 +257,7 @@ class Node:
         for v in served | {version}:
             self.server.serve(v)
         self._tell_hub()
-        stats = {k: v - before[k] for k, v in asdict(self.peers.stats).items()}
+        stats = {k: v - before[k] for k, v in self.stats().items()}
         now = self.target.held()
         self.on_event({"event": "synced", "version": version, "root": now.root if now else None,
                        "from": held.version if held else None, "how": how, "bytes": nbytes,
@@ -272,7 +270,7 @@ class Node:
         holders = self._holders(version)
         if holders:
             try:
-                r = join_from_holders(self.target, self.peers, version, holders, self.secret,
+                r = join_from_holders(self.target, self.manifests, version, holders, self.secret,
                                       stripes=self.config.stripes, timeouts=self.config.peer_timeouts)
                 return "join", r.bytes, set(), {"by_holder": r.bytes_by_holder, "excluded": r.excluded}
             except WeighthubError as exc:
@@ -294,10 +292,18 @@ class Node:
             return []
         return [a for a in found if a != self.server.address][: 2 * self.config.stripes]
 
-    def _sources(self, key: str) -> list[str]:
+    def _rank(self, ref: ChunkId) -> list[str]:
         if self.hub is None:
             return []
-        return [a for a in self.hub.peer_sources(key) if a != self.server.address]
+        return [a for a in self.hub.peer_sources(ref) if a != self.server.address]
+
+    def stats(self) -> dict[str, int]:
+        """Where this node's verified chunks came from, and failures, since it started."""
+        served = dict(self.sources.served)
+        cache, holders, store = (s.name for s in self.sources.sources)
+        return {"from_cache": served.get(cache, 0), "from_peers": served.get(holders, 0),
+                "from_backing": served.get(store, 0), "peer_failures": self.holders.stats.benched,
+                "manifests_relayed": self.manifests.relayed}
 
     # -- holder bookkeeping ---------------------------------------------------------------------
     def _pushed(self, key: str, failed: list[str]) -> None:
@@ -356,82 +362,3 @@ def parse_labels(text: str) -> Labels:
             raise UsageError(f"--labels: {part!r} is not name=value (e.g. region=a,zone=z1,host=h1)")
         doc[name.strip()] = value.strip()
     return Labels.from_dict(doc, where="--labels")
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `weighthub serve node`."""
-    p.add_argument("store", help="store directory, file:// URI or s3://BUCKET/PREFIX")
-    p.add_argument("out", help="target: a path ending in .safetensors, a directory, or memory:// "
-                              "(an in-memory state dict, for tests and benchmarks)")
-    p.add_argument("--hub", default=None, metavar="HOST:PORT",
-                   help="the hub (`weighthub serve hub`); without it the node follows the store")
-    p.add_argument("--secret-file", default=None, metavar="F",
-                   help="shared secret (default: $WEIGHTHUB_SECRET)")
-    p.add_argument("--labels", default="", metavar="L",
-                   help="where this node runs: region=R,zone=Z,host=H (ranks sources, plans relays)")
-    p.add_argument("--id", default=None, help="holder id (default: HOSTNAME:PID)")
-    p.add_argument("--host", default="127.0.0.1", help="chunk server address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=0, help="chunk server port (default: a free one)")
-    p.add_argument("--fanout", type=int, default=4, metavar="D",
-                   help="holders an elastic join stripes its reads across (default 4)")
-    p.add_argument("--timeout", type=float, default=10.0, metavar="S",
-                   help="seconds for each hub call and each peer socket wait (default 10)")
-    p.add_argument("--poll", type=float, default=2.0, metavar="S",
-                   help="how often the hub is asked for the latest version (default 2); a relayed "
-                        "manifest wakes the node at once, so this is the fallback")
-    p.add_argument("--cache", default=None, metavar="DIR",
-                   help="chunk cache served to peers (default: next to OUT, or a temp dir)")
-    p.add_argument("--endpoint-url", default=None, metavar="URL", help="S3 endpoint for s3:// stores")
-    p.add_argument("--json", action="store_true", help="print events as JSON lines")
-
-
-def _target(out: str) -> tuple[Target, Path | None]:
-    """The target, and the default cache directory next to it (None: in memory, use a temp dir)."""
-    if out.startswith(MEMORY_TARGET):
-        from ..targets import StateDictTarget
-        return StateDictTarget({}), None
-    from ..targets import SafetensorsTarget
-    path = Path(out).expanduser().absolute()
-    return SafetensorsTarget(path), path.with_name(f".{path.name}.weighthub-cache")
-
-
-def run_from_args(args: argparse.Namespace) -> None:
-    """`weighthub serve node ARGS`: runs until SIGTERM/SIGINT."""
-    import json
-
-    if not 0 <= args.port <= 65535:
-        raise UsageError(f"--port must be in 0..65535, got {args.port}")
-    labels = parse_labels(args.labels)
-    config = NodeConfig(node_id=args.id or f"{socket.gethostname()}:{os.getpid()}", labels=labels,
-                        timeout=args.timeout, poll_s=args.poll, stripes=args.fanout,
-                        host=args.host, port=args.port)
-    secret = load_secret(args.secret_file)
-    backing = open_store(args.store, **({"endpoint_url": args.endpoint_url} if args.endpoint_url else {}))
-    target, cache_dir = _target(args.out)
-    temp = None
-    if args.cache is not None:
-        cache_dir = Path(args.cache)
-    elif cache_dir is None:
-        temp = cache_dir = Path(tempfile.mkdtemp(prefix="weighthub-node-cache-"))
-    hub = HubClient(args.hub, secret, timeout=config.timeout, labels=labels) if args.hub else None
-    lock = threading.Lock()
-
-    def emit(event: dict[str, Any]) -> None:
-        if args.json:
-            line = json.dumps(event, sort_keys=True)
-        else:
-            line = " ".join(f"{k}={v}" for k, v in event.items() if k not in ("stats", "by_holder"))
-        with lock:
-            print(line, flush=True)
-
-    node = Node(backing, target, secret, config, hub=hub, cache=LocalStore(cache_dir), on_event=emit)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: node.request_stop())
-    node.start()
-    try:
-        node.wait()
-    finally:
-        node.stop()
-        if temp is not None:
-            shutil.rmtree(temp, ignore_errors=True)
-        print("weighthub node stopped", file=sys.stderr, flush=True)

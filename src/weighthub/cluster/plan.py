@@ -36,7 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import FormatError, UsageError
+from ..errors import FormatError, UsageError, WeighthubError
 from .topology import Labels, tier
 
 MAX_DEGREE = 1024
@@ -182,7 +182,9 @@ class _Builder:
         for n in nodes:
             parent = self.nearest_free(n.labels)
             if parent is None:  # cannot happen: the region's entry is placed and leaves are free
-                raise RuntimeError(f"relay planner: no free slot for {n.id!r}")
+                raise WeighthubError(f"relay planner: no free slot for {n.id!r} in a tree of "
+                                     f"degree {self.degree}; this is a weighthub bug: please "
+                                     "report it with the receivers' labels")
             self.attach(n, parent)
 
     def tree(self, root: str) -> RelayTree:

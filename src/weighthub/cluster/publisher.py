@@ -9,7 +9,7 @@ Per version v:
               ones are reported (`hub.report_failed`) and the hub's replan (or, when the hub
               does not answer, the same `plan.replan` computed here) re-attaches their children,
               so later chunks reach them; the chunks they missed they fetch after the commit
-              from holders or the store (PeerStore)
+              from holders or the store (the node's sources)
     commit    the manifest's create-only write (to the store only) ends the relay; then
               `hub.announce(v, ..., manifest_sha256)`. A hub that does not answer never fails a
               publish: the version is committed in the store, and nodes poll (hub, else store)
@@ -64,10 +64,14 @@ class NetPublishResult(PublishResult):
 
 
 class _CommitHook:
-    """The Publisher's store: the RelayTee, ending the relay when the manifest (commit) is written."""
+    """The Publisher's store. Chunk writes go through the RelayTee (stored, and pushed down the
+    tree); the manifest's create-only write (the commit) ends the relay first. Reads, listings
+    and deletes (a restarted publisher adopting the store's head, retention, a failed publish's
+    clean-up) go straight to the backing store, with their per-call timeouts."""
 
     def __init__(self, tee: RelayTee, on_commit: Callable[[bytes], None]) -> None:
         self.tee = tee
+        self.backing: Store = tee.backing
         self.url = tee.url
         self.on_commit = on_commit
 
@@ -76,20 +80,20 @@ class _CommitHook:
             self.on_commit(bytes(data))  # every chunk is stored; anchors written after it stay local
         self.tee.put(key, data, create_only=create_only)
 
-    def get(self, key: str) -> bytes:
-        return self.tee.get(key)
+    def get(self, key: str, *, timeout: float | None = None) -> bytes:
+        return self.backing.get(key, timeout=timeout)
 
-    def get_range(self, key: str, start: int, stop: int) -> bytes:
-        return self.tee.get_range(key, start, stop)
+    def get_range(self, key: str, start: int, stop: int, *, timeout: float | None = None) -> bytes:
+        return self.backing.get_range(key, start, stop, timeout=timeout)
 
-    def size(self, key: str) -> int:
-        return self.tee.size(key)
+    def size(self, key: str, *, timeout: float | None = None) -> int:
+        return self.backing.size(key, timeout=timeout)
 
-    def delete(self, key: str) -> None:
-        self.tee.delete(key)
+    def delete(self, key: str, *, timeout: float | None = None) -> None:
+        self.backing.delete(key, timeout=timeout)
 
-    def children(self, prefix: str) -> list[str]:
-        return self.tee.children(prefix)
+    def children(self, prefix: str, *, timeout: float | None = None) -> list[str]:
+        return self.backing.children(prefix, timeout=timeout)
 
 
 class NetPublisher:

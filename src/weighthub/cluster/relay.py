@@ -8,7 +8,7 @@ Publisher's own encode concurrency (no queue here). The manifest and every other
 the backing store only; after the commit the publisher relays the manifest itself down the
 same tree (`push_object`), once the hub recorded its digest: that push is how nodes learn of
 the version, and what spares each of them reading the manifest from the store. Any chunk that
-did not reach a node through the tree it fetches from a peer or the store (PeerStore).
+did not reach a node through the tree it fetches from a holder or the store (its sources).
 
 Push failures never fail the publish: they are collected in `failed` (address -> chunk count)
 for the hub to replan. A backing-store failure does fail `put`, as without the relay.
@@ -22,12 +22,12 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from ..catalog import CHUNK_SUFFIX
 from ..errors import NetError
 from ..format import chunk_checksum
 from ..net import wire
 from ..net.client import DEFAULT_TIMEOUTS, PeerClient, Timeouts
 from ..store.base import Store
-from ..store.staging import CHUNK_SUFFIX
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,16 @@
 """Delta codec: change detection, position and value encodings, per-segment op choice.
 
-The codings' names, ids and policies (`coding`) load with the package; the segment encoder
-and its numba kernels on first use of one of their names: manifests name codings, and reading
-them (as `weighthub inspect` does) must not pay numba's import (about a second).
+    coding.py   the codings' names and wire ids (format/spec.md §2), what readers accept,
+                and the encoder policies: plain data, no numba
+    segment.py  `Segment` and the `UndoLog` of applying segments
+    encode.py   change scan and the smallest coding per segment
+    apply.py    apply in place (forwards or inversely), regap grouped positions
+    digest.py   the digest of the words a segment will rewrite (staged before the pause)
+    kernels.py  the numba loops of all of the above
+
+The codings load with the package; the rest on first use of one of their names: manifests name
+codings, and reading them (as `weighthub inspect` does) must not pay numba's import (about a
+second).
 """
 
 from __future__ import annotations
@@ -10,27 +18,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..lazy import lazy_exports
-from .coding import EncodePolicy, Op, Positions, Values, coding_invertible, invertible
+from .coding import EncodePolicy, Op, Positions, Values, check_coding, coding_invertible, invertible
 
 if TYPE_CHECKING:
-    from .segment import (
-        Segment,
-        UndoEntry,
-        UndoLog,
-        apply_segment,
-        changed_positions,
-        encode_segment,
-        encode_segment_tracked,
-        regap_segment,
-    )
+    from .apply import apply_segment, regap_segment
+    from .encode import changed_positions, encode_changes, encode_segment, encode_segment_tracked
+    from .segment import Segment, UndoEntry, UndoLog
 
-_FROM_SEGMENT = frozenset({
-    "Segment", "UndoEntry", "UndoLog", "apply_segment", "changed_positions",
-    "encode_segment", "encode_segment_tracked", "regap_segment",
+__getattr__ = lazy_exports(globals(), {
+    "segment": frozenset({"Segment", "UndoEntry", "UndoLog"}),
+    "encode": frozenset({"changed_positions", "encode_changes", "encode_segment",
+                         "encode_segment_tracked"}),
+    "apply": frozenset({"apply_segment", "regap_segment"}),
 })
-
-
-__getattr__ = lazy_exports(globals(), "segment", _FROM_SEGMENT)
 
 
 __all__ = [
@@ -43,7 +43,9 @@ __all__ = [
     "Values",
     "apply_segment",
     "changed_positions",
+    "check_coding",
     "coding_invertible",
+    "encode_changes",
     "encode_segment",
     "encode_segment_tracked",
     "invertible",

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
-from ..errors import UnknownCodecError
+from ..errors import FormatError, UnknownCodecError
 
 
 class Op(IntEnum):
@@ -58,6 +58,45 @@ def coding_invertible(name: str) -> bool:
         return invertible(Op[op.upper()], Positions[positions.upper()])
     except KeyError:
         return False
+
+
+# The codings a reader accepts (format/spec.md §2). Writers emit dense/all/raw and, for the
+# sparse ops, xor/varint, add/zigzag and overwrite/raw; xor and add may also carry their values
+# as raw words (the same z, W bytes each). Anything else is refused before anything is applied.
+_SPARSE_VALUES = {
+    Op.XOR: frozenset({Values.VARINT, Values.RAW}),
+    Op.ADD: frozenset({Values.ZIGZAG, Values.RAW}),
+    Op.OVERWRITE: frozenset({Values.RAW}),
+}
+
+
+def check_coding(op: Op, positions: Positions, values: Values, where: str, *,
+                 is_float: bool | None = None) -> None:
+    """Refuse an (op, positions, values) combination the format does not allow (spec §2).
+
+    Args:
+        is_float: the segment's tensor dtype is a float type (None: not known here, as in a
+            chunk frame read without its manifest); exponent-grouped positions need one.
+
+    Raises:
+        FormatError: `all` positions or raw values missing on a dense segment, `all` on a
+            sparse one, a value coding its op does not take, or `groups` on an integer dtype.
+    """
+    if op == Op.DENSE:
+        if positions != Positions.ALL or values != Values.RAW:
+            raise FormatError(f"{where}: a dense segment must be coded dense/all/raw, not "
+                              f"dense/{positions.name.lower()}/{values.name.lower()}")
+        return
+    if positions == Positions.ALL:
+        raise FormatError(f"{where}: positions 'all' with op {op.name.lower()}: only a dense "
+                          "segment covers every element")
+    if values not in _SPARSE_VALUES[op]:
+        allowed = sorted(v.name.lower() for v in _SPARSE_VALUES[op])
+        raise FormatError(f"{where}: op {op.name.lower()} with {values.name.lower()} values; "
+                          f"{op.name.lower()} takes {allowed}")
+    if positions == Positions.GROUPS and is_float is False:
+        raise FormatError(f"{where}: exponent-grouped positions on an integer dtype (groups "
+                          "need an exponent field)")
 
 
 def parse_enum(kind: type[IntEnum], raw: int, where: str) -> IntEnum:

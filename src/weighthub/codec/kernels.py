@@ -22,8 +22,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ..digest.mix import K0, K1, fold, fold_weyl
 from .coding import Op, Values
-from .mix import K0, K1, mix0, mix1
 
 # Status codes returned by the decode kernels (negative = refused, nothing past that point done).
 STREAM_OVERRUN = -1  # a varint or value ran past the end of its stream
@@ -241,20 +241,15 @@ def _combine(o, z, op, mask):
 # They also fold the digest change (format/spec.md §4) of every word they rewrite into two
 # optional sums, dnew += mix(i, new word) and dold += mix(i, old word), i = first + position,
 # while both words are in registers: the receiver then verifies in O(changed) with no second
-# pass over memory. dnew/dold are None or uint64[2]; numba compiles a variant per combination
-# and prunes the `is None` branches, so a caller that wants neither pays nothing. The sums are
-# written only on success. The fold does not care which way a delta runs: applied inversely
-# (undoing it), "new" is the base's word it writes back and "old" the word it replaces, so the
-# held digest plus dnew - dold is the base's digest. The words are not read back after
-# writing: that proves what the kernel wrote, not what memory holds, which is the same thing
-# unless another view of the target overlaps this one in memory (the receiver refuses such
-# targets; see receive.py).
-
-
-@njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def _fold(s0, s1, i1, w):
-    """(s0, s1) + the digest lanes of word w at canonical index i1 - 1."""
-    return s0 + mix0(i1 * K0, w), s1 + mix1(i1 * K1, w)
+# pass over memory. dnew/dold are uint64[2], or empty (uint64[0]) for a sum not wanted: always
+# arrays, so each kernel compiles once per word width (None would make numba compile a variant
+# per combination; a cold CI run paid minutes for them), at the cost of a loop-invariant,
+# predictable branch per changed word. The sums are written only on success. The fold does
+# not care which way a delta runs: applied inversely (undoing it), "new" is the base's word it
+# writes back and "old" the word it replaces, so the held digest plus dnew - dold is the
+# base's digest. The words are not read back after writing: that proves what the kernel
+# wrote, not what memory holds, which is the same thing unless another view of the target
+# overlaps this one in memory (the receiver refuses such targets; see receive/).
 
 
 @njit(cache=True, nogil=True, boundscheck=False, inline="always")
@@ -266,6 +261,8 @@ def _store(out, s0, s1):
 @njit(cache=True, nogil=True, boundscheck=False, inline="always")
 def _gap_loop(dst, gaps, op, codec, vals, count, mask, undo_pos, undo_val, first, dnew, dold):
     n = dst.shape[0]
+    want_new = dnew.shape[0] != 0
+    want_old = dold.shape[0] != 0
     f1 = np.uint64(first) + _U1
     n0 = n1 = o0 = o1 = _ZERO
     width = dst.itemsize
@@ -289,22 +286,22 @@ def _gap_loop(dst, gaps, op, codec, vals, count, mask, undo_pos, undo_val, first
         undo_val[t] = o
         w = _combine(np.uint64(o), z, op, mask)
         dst[p] = w
-        if dnew is not None:
-            n0, n1 = _fold(n0, n1, f1 + np.uint64(p), w)
-        if dold is not None:
-            o0, o1 = _fold(o0, o1, f1 + np.uint64(p), np.uint64(o))
+        if want_new:
+            n0, n1 = fold(n0, n1, f1 + np.uint64(p), w)
+        if want_old:
+            o0, o1 = fold(o0, o1, f1 + np.uint64(p), np.uint64(o))
     if gi != gend or vi != vend:
         return TRAILING_BYTES, count
-    if dnew is not None:
+    if want_new:
         _store(dnew, n0, n1)
-    if dold is not None:
+    if want_old:
         _store(dold, o0, o1)
     return count, count
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def apply_gap_stream(dst, gaps, op, codec, vals, count, mask, undo_pos, undo_val, first=0,
-                     dnew=None, dold=None):
+def apply_gap_stream(dst, gaps, op, codec, vals, count, mask, undo_pos, undo_val, first, dnew,
+                     dold):
     """Fused decode + apply of a gap-coded segment into dst (the segment's range), in place.
 
     Records (position, old word) of every element it changes into undo_pos/undo_val, so a
@@ -327,10 +324,12 @@ def apply_gap_stream(dst, gaps, op, codec, vals, count, mask, undo_pos, undo_val
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def apply_positions(dst, pos, op, codec, vals, count, mask, undo_pos, undo_val, first=0,
-                    dnew=None, dold=None):
+def apply_positions(dst, pos, op, codec, vals, count, mask, undo_pos, undo_val, first, dnew,
+                    dold):
     """Apply values at an already decoded, strictly increasing position array (see apply_gap_stream)."""
     n = dst.shape[0]
+    want_new = dnew.shape[0] != 0
+    want_old = dold.shape[0] != 0
     f1 = np.uint64(first) + _U1
     n0 = n1 = o0 = o1 = _ZERO
     width = dst.itemsize
@@ -350,26 +349,29 @@ def apply_positions(dst, pos, op, codec, vals, count, mask, undo_pos, undo_val, 
         undo_val[t] = o
         w = _combine(np.uint64(o), z, op, mask)
         dst[p] = w
-        if dnew is not None:
-            n0, n1 = _fold(n0, n1, f1 + np.uint64(p), w)
-        if dold is not None:
-            o0, o1 = _fold(o0, o1, f1 + np.uint64(p), np.uint64(o))
+        if want_new:
+            n0, n1 = fold(n0, n1, f1 + np.uint64(p), w)
+        if want_old:
+            o0, o1 = fold(o0, o1, f1 + np.uint64(p), np.uint64(o))
     if vi != vend:
         return TRAILING_BYTES, count
-    if dnew is not None:
+    if want_new:
         _store(dnew, n0, n1)
-    if dold is not None:
+    if want_old:
         _store(dold, o0, o1)
     return count, count
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def copy_words(dst, src, undo, first, dnew, dold):
-    """Dense apply: dst[:] = src, saving the old words into `undo` (or None: nothing to keep).
+    """Dense apply: dst[:] = src, saving the old words into `undo` (or empty: nothing to keep).
 
-    One pass that also folds the digest lanes of the new / old words into dnew / dold (None to
+    One pass that also folds the digest lanes of the new / old words into dnew / dold (empty to
     skip), as the sparse apply kernels do; dst[0] is canonical element `first`.
     """
+    keep = undo.shape[0] != 0
+    want_new = dnew.shape[0] != 0
+    want_old = dold.shape[0] != 0
     f1 = np.uint64(first) + _U1
     k0 = f1 * K0  # Weyl sequences: one add per element along the run
     k1 = f1 * K1
@@ -377,20 +379,18 @@ def copy_words(dst, src, undo, first, dnew, dold):
     for j in range(dst.shape[0]):
         o = dst[j]
         w = src[j]
-        if undo is not None:
+        if keep:
             undo[j] = o
         dst[j] = w
-        if dnew is not None:
-            n0 += mix0(k0, np.uint64(w))
-            n1 += mix1(k1, np.uint64(w))
-        if dold is not None:
-            o0 += mix0(k0, np.uint64(o))
-            o1 += mix1(k1, np.uint64(o))
+        if want_new:
+            n0, n1 = fold_weyl(n0, n1, k0, k1, np.uint64(w))
+        if want_old:
+            o0, o1 = fold_weyl(o0, o1, k0, k1, np.uint64(o))
         k0 += K0
         k1 += K1
-    if dnew is not None:
+    if want_new:
         _store(dnew, n0, n1)
-    if dold is not None:
+    if want_old:
         _store(dold, o0, o1)
 
 
@@ -520,7 +520,7 @@ def _group_cursors(n, gmask, gkeys, gcounts, gaps):
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def apply_group_stream(dst, shift, gmask, gkeys, gcounts, gaps, op, codec, vals, count, mask,
-                       undo_pos, undo_val, first=0, dnew=None, dold=None):
+                       undo_pos, undo_val, first, dnew, dold):
     """Fused decode + apply of an exponent-grouped segment into dst, in place.
 
     gkeys/gcounts: the parsed group table (keys distinct and < gmask+1, counts summing to
@@ -531,6 +531,8 @@ def apply_group_stream(dst, shift, gmask, gkeys, gcounts, gaps, op, codec, vals,
     an element is changed when its group's skip is 0. Groups without changes never reach 0.
     """
     n = dst.shape[0]
+    want_new = dnew.shape[0] != 0
+    want_old = dold.shape[0] != 0
     width = dst.itemsize
     gend = gaps.shape[0]
     status, skip, left, gpos = _group_cursors(n, gmask, gkeys, gcounts, gaps)
@@ -558,10 +560,10 @@ def apply_group_stream(dst, shift, gmask, gkeys, gcounts, gaps, op, codec, vals,
         undo_val[t] = o
         w = _combine(np.uint64(o), z, op, mask)
         dst[p] = w
-        if dnew is not None:
-            n0, n1 = _fold(n0, n1, f1 + np.uint64(p), w)
-        if dold is not None:
-            o0, o1 = _fold(o0, o1, f1 + np.uint64(p), np.uint64(o))
+        if want_new:
+            n0, n1 = fold(n0, n1, f1 + np.uint64(p), w)
+        if want_old:
+            o0, o1 = fold(o0, o1, f1 + np.uint64(p), np.uint64(o))
         t += 1
         left[e] -= 1
         if left[e] > 0:
@@ -573,9 +575,9 @@ def apply_group_stream(dst, shift, gmask, gkeys, gcounts, gaps, op, codec, vals,
         return POSITION_OUT_OF_RANGE, t
     if vi != vend:
         return TRAILING_BYTES, t
-    if dnew is not None:
+    if want_new:
         _store(dnew, n0, n1)
-    if dold is not None:
+    if want_old:
         _store(dold, o0, o1)
     return t, t
 
@@ -614,3 +616,34 @@ def decode_group_positions(src, shift, gmask, gkeys, gcounts, gaps, count, out):
     if t != count:
         return POSITION_OUT_OF_RANGE
     return t
+
+
+# --- digests of the words a segment will rewrite ---------------------------------------------
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def sum_at_gaps(words, gaps, count, first, out):
+    """out += Σ mix(first + p, words[p]) over the positions p of a gap-coded stream (spec §2).
+
+    Returns count, or a negative status (as the apply kernels: a varint overrun or too long, a
+    position past the end, bytes left over) with `out` untouched.
+    """
+    n = words.shape[0]
+    gend = gaps.shape[0]
+    gi = 0
+    p = np.int64(-1)
+    s0 = s1 = _ZERO
+    f1 = np.uint64(first) + _U1
+    for _ in range(count):
+        g, gi = _read_varint(gaps, gi, gend)
+        if gi < 0:
+            return gi
+        if g >= np.uint64(n - 1 - p):
+            return POSITION_OUT_OF_RANGE
+        p = p + 1 + np.int64(g)
+        s0, s1 = fold(s0, s1, f1 + np.uint64(p), np.uint64(words[p]))
+    if gi != gend:
+        return TRAILING_BYTES
+    out[0] += s0
+    out[1] += s1
+    return count

@@ -25,11 +25,12 @@ from typing import IO, Any
 
 import torch
 
+from ..digest import root_digest, tensor_digest
 from ..publish import Publisher
 from ..receive import Receiver
 from ..store import LocalStore, MemoryStore
 from ..targets import StateDictTarget
-from ..tensors import root_digest, specs_of, tensor_digest
+from ..tensors import specs_of
 
 
 def warm_up() -> None:

@@ -40,42 +40,34 @@ import numpy as np
 import torch
 
 from .. import catalog, errors
+from ..digest import digest_bits
 from ..errors import BaseMismatch, UsageError, WeighthubError
 from ..receive import Receiver, Staged
+from ..sources.staging import host_sources
 from ..store import Store, open_store
-from ..targets.base import Held
+from ..targets.base import Held, TargetWrapper
 from ..targets.safetensors_file import load_checkpoint
 from ..targets.state_dict import StateDictTarget
 from ..targets.vllm_engine import EnginePlacement, PushReport
 from ..targets.vllm_placement import Group, expand
-from ..tensors import bits, digest_bits
+from ..tensors import bits
 
 EXTENSION = "weighthub.engines.vllm.WeighthubWorker"
 
 
-class _EngineTarget:
-    """The mirror as the Receiver's target; commit pushes into the engine, abort restores it."""
+class _EngineTarget(TargetWrapper):
+    """The mirror as the Receiver's target; commit pushes into the engine, abort restores it.
+    Reads (held, specs, peek) and open are the mirror's (TargetWrapper)."""
 
     def __init__(self, mirror: StateDictTarget, placement: EnginePlacement, store: Store,
                  digests: dict[str, str]) -> None:
-        self.mirror = mirror
+        super().__init__(mirror)
+        self.mirror = mirror  # typed: the engine pushes from its `state`
         self.placement = placement
         self.store = store
         self.digests = digests  # per-tensor digests of the committed version (from its manifest)
         self.report = PushReport()
         self._pushed: list[Group] = []
-
-    def held(self) -> Held | None:
-        return self.mirror.held()
-
-    def specs(self) -> Any:
-        return self.mirror.specs()
-
-    def peek(self) -> dict[str, np.ndarray]:
-        return self.mirror.peek()
-
-    def open(self, specs: Any) -> dict[str, np.ndarray]:
-        return self.mirror.open(specs)
 
     def commit(self, held: Held) -> None:
         new = _digests_of(self.store, held.version)
@@ -109,6 +101,7 @@ class WeighthubWorker:
 
     _weighthub: tuple[Receiver, _EngineTarget]
     _wh_staged: tuple[str | None, Receiver, Staged] | None  # (store_url asked for, by, staged)
+    _wh_stage_dir: str | None  # the host staging cache given to bind (None: none)
 
     # vLLM's Worker provides these; declared for the type checker only
     model_runner: Any
@@ -117,8 +110,8 @@ class WeighthubWorker:
     if TYPE_CHECKING:
         def reload_weights(self, *, weights_iterator: Any) -> None: ...
 
-    def weighthub_bind(self, store_url: str, version: int | None = None,
-                       xor: bool = True) -> dict[str, Any]:
+    def weighthub_bind(self, store_url: str, version: int | None = None, xor: bool = True,
+                       stage_dir: str | None = None) -> dict[str, Any]:
         """Adopt `version` of the store as what the engine serves.
 
         The engine must serve exactly that version's bits: at first bind, the safetensors
@@ -126,9 +119,10 @@ class WeighthubWorker:
         the checkpoint's); when rebinding, the version it was refitted to.
         A full reload of every tensor through vLLM's loader follows, which proves the loader
         reads every canonical tensor (and times a full reload for comparison); it writes the
-        bits the engine already holds.
+        bits the engine already holds. `stage_dir`: a host staging cache shared by the workers
+        on this host (`sources.staging`), so each chunk is fetched from the store once per host.
         """
-        return _rpc(lambda: self._wh_bind(store_url, version, xor))
+        return _rpc(lambda: self._wh_bind(store_url, version, xor, stage_dir))
 
     def weighthub_stage(self, version: int | None = None,
                         store_url: str | None = None) -> dict[str, Any]:
@@ -159,7 +153,8 @@ class WeighthubWorker:
         return _rpc(lambda: self._wh_digests())
 
     # -- implementation -------------------------------------------------------------------------
-    def _wh_bind(self, store_url: str, version: int | None, xor: bool) -> dict[str, Any]:
+    def _wh_bind(self, store_url: str, version: int | None, xor: bool,
+                 stage_dir: str | None) -> dict[str, Any]:
         store = open_store(store_url)
         bound = getattr(self, "_weighthub", None)
         path = self.vllm_config.model_config.model
@@ -169,7 +164,9 @@ class WeighthubWorker:
         if version is None:
             version = _find_version(store, serving, what)
         mirror = StateDictTarget({})
-        Receiver(store, mirror).sync(version)  # fetched and verified by digest
+        self._wh_stage_dir = stage_dir
+        sources = host_sources(store, stage_dir)
+        Receiver(store, mirror, sources=sources).sync(version)  # fetched and verified by digest
         held = mirror.held()
         if held is None:  # pragma: no cover - sync either commits or raises
             raise UsageError(f"{store_url}: nothing to bind to")
@@ -183,7 +180,7 @@ class WeighthubWorker:
                             mirror.state)
         full_s = time.perf_counter() - t0
         target = _EngineTarget(mirror, placement, store, _digests_of(store, held.version))
-        self._weighthub = (Receiver(store, target), target)
+        self._weighthub = (Receiver(store, target, sources=sources), target)
         self._wh_staged = None  # staged against the previous binding's target
         return {"version": held.version, "root": held.root, "full_reload_s": full_s,
                 "xor": sorted(placement.xor_names), "groups": len(set(placement.groups.values()))}
@@ -191,7 +188,8 @@ class WeighthubWorker:
     def _wh_receiver(self, store_url: str | None) -> tuple[Receiver, _EngineTarget]:
         receiver, target = self._wh_bound()
         if store_url is not None:
-            receiver = Receiver(open_store(store_url), target)
+            store = open_store(store_url)
+            receiver = Receiver(store, target, sources=host_sources(store, self._wh_stage_dir))
         return receiver, target
 
     def _wh_stage(self, version: int | None, store_url: str | None) -> dict[str, Any]:
@@ -253,13 +251,14 @@ class WeighthubWorker:
         self.reload_weights(weights_iterator=weights)
 
 
-def bind(llm: Any, store_url: str, version: int | None = None, *, xor: bool = True) -> dict[str, Any]:
+def bind(llm: Any, store_url: str, version: int | None = None, *, xor: bool = True,
+         stage_dir: str | None = None) -> dict[str, Any]:
     """Bind every worker of `llm` (a vllm.LLM) to a store; returns rank 0's result.
 
     Raises:
         The weighthub error a worker raised (BaseMismatch, PlacementError, ...).
     """
-    return _gather(llm.collective_rpc("weighthub_bind", args=(store_url, version, xor)))
+    return _gather(llm.collective_rpc("weighthub_bind", args=(store_url, version, xor, stage_dir)))
 
 
 def stage(llm: Any, version: int | None = None, *, store_url: str | None = None) -> dict[str, Any]:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 _FROM_CHUNK = frozenset({"FORMAT_VERSION", "ChunkFrame", "decode_chunk", "encode_chunk"})
 
 
-__getattr__ = lazy_exports(globals(), "chunk", _FROM_CHUNK)
+__getattr__ = lazy_exports(globals(), {"chunk": _FROM_CHUNK})
 
 
 __all__ = [

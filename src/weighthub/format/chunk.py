@@ -18,7 +18,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from ..codec.coding import Op, Positions, Values, parse_enum
+from ..codec.coding import Op, Positions, Values, check_coding, parse_enum
 from ..codec.segment import Segment
 from ..errors import ChecksumError, FormatError, FormatVersionError, LimitError
 
@@ -66,10 +66,22 @@ def encode_chunk(segments: list[Segment], *, compress: bool = True) -> bytes:
     return out + _TRAILER.pack(xxhash.xxh3_64_intdigest(out))
 
 
+def _check_record(op: Op, positions: Positions, values: Values, n: int, count: int, plen: int,
+                  where: str) -> None:
+    """Spec §1 step 8: the coding is one readers accept, and its stream lengths fit the range."""
+    check_coding(op, positions, values, where)
+    if op == Op.DENSE and (count != n or plen != 0):
+        raise FormatError(f"{where}: a dense segment of {n} elements with count {count} and "
+                          f"{plen} position bytes (must be {n} and 0)")
+    if positions == Positions.BITMAP and plen != (n + 7) // 8:
+        raise FormatError(f"{where}: bitmap of {plen} bytes for {n} elements")
+
+
 def decode_chunk(buf: bytes | memoryview, *, where: str, max_body: int = MAX_BODY_BYTES) -> ChunkFrame:
     """Parse and validate a chunk frame. Raises FormatError subclasses naming `where`.
 
     Stream contents (varints, positions) are validated later, by the kernels that apply them.
+    Readers are strict: what spec.md §1–§2 forbids is refused here, never tolerated.
     """
     mv = memoryview(buf)
     if mv.nbytes < _HEADER.size + _TRAILER.size:
@@ -102,11 +114,12 @@ def decode_chunk(buf: bytes | memoryview, *, where: str, max_body: int = MAX_BOD
         f = _SEGMENT.unpack_from(mv, _HEADER.size + i * _SEGMENT.size)
         tensor, op, pos, val, _r, start, stop, count, plen, vlen = f
         seg_where = f"{where} segment {i}"
-        op_e = parse_enum(Op, op, seg_where)
-        pos_e = parse_enum(Positions, pos, seg_where)
-        val_e = parse_enum(Values, val, seg_where)
+        op_e = Op(parse_enum(Op, op, seg_where))
+        pos_e = Positions(parse_enum(Positions, pos, seg_where))
+        val_e = Values(parse_enum(Values, val, seg_where))
         if not start < stop or count > stop - start:
             raise FormatError(f"{seg_where}: bad range [{start}, {stop}) with count {count}")
+        _check_record(op_e, pos_e, val_e, stop - start, count, plen, seg_where)
         total += plen + vlen
         heads.append((tensor, op_e, pos_e, val_e, start, stop, count, plen, vlen))
     if total != raw_len:
@@ -133,7 +146,7 @@ def decode_chunk(buf: bytes | memoryview, *, where: str, max_body: int = MAX_BOD
     off_pos = 0
     off_val = sum(h[7] for h in heads)
     for tensor, op_e, pos_e, val_e, start, stop, count, plen, vlen in heads:
-        segments.append(Segment(tensor, start, stop, op_e, pos_e, val_e, count,  # type: ignore[arg-type]
+        segments.append(Segment(tensor, start, stop, op_e, pos_e, val_e, count,
                                 arr[off_pos: off_pos + plen], arr[off_val: off_val + vlen]))
         off_pos += plen
         off_val += vlen

@@ -7,8 +7,10 @@ microseconds on a LAN against chunks of MiB); nothing is shared between threads.
 
 Timeouts: `connect_timeout` for the connection, `io_timeout` for each socket operation, and
 `deadline` for the whole request, so a peer that dribbles bytes cannot hold a caller longer
-than that. Errors name the peer: PeerUnavailable (unreachable, slow, refused, busy),
-AuthError (our token was refused), ObjectNotFound (the peer does not have the key).
+than that. Errors name the peer, and say whether to wait or to ask another:
+PeerTimeout (no answer in time, unreachable, the connection dropped mid-answer), PeerRefused
+(nothing listens on the port, busy, not holding the version, a malformed answer), AuthError (our
+token was refused), ObjectNotFound (the peer does not have the key).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import cast
 
 import msgspec
 
-from ..errors import AuthError, LimitError, NetError, ObjectNotFound, PeerUnavailable
+from ..errors import AuthError, LimitError, NetError, ObjectNotFound, PeerRefused, PeerTimeout
 from ..format import chunk_checksum
 from . import auth, wire
 
@@ -62,7 +64,8 @@ class PeerClient:
 
     # -- ops --------------------------------------------------------------------------------
     def get(self, key: str) -> bytes:
-        """A store object of a version the peer serves. Raises ObjectNotFound, PeerUnavailable."""
+        """A store object of a version the peer serves. Raises ObjectNotFound, PeerTimeout,
+        PeerRefused, AuthError."""
         return self._call(wire.Request("get", key=key))[1]
 
     def get_range(self, key: str, start: int, stop: int) -> bytes:
@@ -88,7 +91,7 @@ class PeerClient:
         """Push a chunk to this peer, which forwards it to `tree` (its subtree) and stages it.
 
         Returns the addresses in the subtree that did not get it (the peer itself got it).
-        Raises PeerUnavailable if the peer itself failed to take it.
+        Raises PeerTimeout / PeerRefused if the peer itself failed to take it.
         """
         view = memoryview(data).cast("B")
         digest = checksum or chunk_checksum(view)
@@ -103,8 +106,12 @@ class PeerClient:
         end = time.monotonic() + self.deadline
         try:
             sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout)
-        except OSError as exc:
-            raise PeerUnavailable(f"{where}: cannot connect ({exc})") from exc
+        except ConnectionRefusedError as exc:
+            raise PeerRefused(f"{where}: connection refused (nothing listens there: the peer is "
+                              "down or moved); ask another") from exc
+        except OSError as exc:  # timed out or unreachable: as good as no answer
+            raise PeerTimeout(f"{where}: cannot connect within {self.connect_timeout:g}s "
+                              f"({exc}); the peer is down or partitioned: ask another") from exc
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(self.io_timeout)
@@ -118,12 +125,13 @@ class PeerClient:
                 raise LimitError(f"{where}: response body of {resp.size} bytes over {self.max_body}")
             data = self._recv(sock, resp.size, end, where) if resp.size else b""
         except TimeoutError as exc:
-            raise PeerUnavailable(f"{where}: no answer within {self.io_timeout:g}s for "
-                                  f"{req.op} {req.key}") from exc
-        except OSError as exc:
-            raise PeerUnavailable(f"{where}: {req.op} {req.key} failed ({exc})") from exc
+            raise PeerTimeout(f"{where}: no answer within {self.io_timeout:g}s for "
+                              f"{req.op} {req.key}") from exc
+        except OSError as exc:  # reset or broken pipe: the peer went away mid-request
+            raise PeerTimeout(f"{where}: {req.op} {req.key} failed ({exc}); the connection "
+                              "dropped") from exc
         except LimitError as exc:
-            raise PeerUnavailable(f"{where}: malformed answer: {exc}") from exc
+            raise PeerRefused(f"{where}: malformed answer: {exc}") from exc
         finally:
             sock.close()
         _raise_for(resp, req, where)
@@ -133,7 +141,7 @@ class PeerClient:
         step = 4 << 20  # check the deadline between pieces
         for i in range(0, len(body), step):
             if time.monotonic() > end:
-                raise PeerUnavailable(f"{where}: push not done within {self.deadline:g}s")
+                raise PeerTimeout(f"{where}: push not done within {self.deadline:g}s")
             sock.sendall(body[i:i + step])
 
     def _recv(self, sock: socket.socket, n: int, end: float, where: str) -> bytes:
@@ -142,11 +150,11 @@ class PeerClient:
         got = 0
         while got < n:
             if time.monotonic() > end:
-                raise PeerUnavailable(f"{where}: answer not complete within {self.deadline:g}s "
-                                      f"({got}/{n} bytes); too slow")
+                raise PeerTimeout(f"{where}: answer not complete within {self.deadline:g}s "
+                                  f"({got}/{n} bytes); too slow")
             k = sock.recv_into(view[got:])
             if k == 0:
-                raise PeerUnavailable(f"{where}: connection closed after {got}/{n} bytes")
+                raise PeerTimeout(f"{where}: connection closed after {got}/{n} bytes")
             got += k
         # Large bodies stay in their receive buffer (a copy to bytes would cost ~10% of the
         # transfer): a bytearray has bytes' whole read API, and nobody else holds it.
@@ -161,6 +169,6 @@ def _raise_for(resp: wire.Response, req: wire.Request, where: str) -> None:
         raise AuthError(f"{msg} (refused by {where}: check that WEIGHTHUB_SECRET matches)")
     if resp.status == wire.NOT_FOUND:
         raise ObjectNotFound(msg)
-    if resp.status in (wire.REFUSED, wire.FAILED):
-        raise PeerUnavailable(msg)
+    if resp.status in (wire.REFUSED, wire.FAILED):  # busy, or not holding what was asked
+        raise PeerRefused(msg)
     raise NetError(f"{msg} ({req.op} refused as a bad request)")

@@ -10,7 +10,7 @@ What it serves:
     push      a relay push (a chunk, or a committed version's manifest): the body is forwarded
               cut-through to the request's subtree while it arrives, checked against its SHA-256
               (`format.chunk_checksum`, as in manifests), then staged into `store` (so the node's
-              PeerStore finds it locally and the server can serve it on). The checksum only
+              pushed-cache source finds it and the server can serve it on). The checksum only
               guards the transfer: a node trusts a relayed manifest only if it matches the
               digest the hub recorded for the version (`node`).
 

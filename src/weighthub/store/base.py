@@ -1,15 +1,32 @@
-"""The Store protocol and `open_store(url)`.
+"""The Store protocols, one per ability, and the key and timeout rules every store shares.
+
+A store is the authority for manifests and the create-only commit. Its abilities are small
+protocols (as obspec has `Get`, `GetRange`, `Put`), so a view that can only read says so:
+
+    Readable       get, size            whole objects
+    RangeReadable  get_range            bytes [start, stop) of an object
+    Writable       put                  atomic writes; create_only=True is the commit primitive
+    Listable       children             discover versions
+    Deletable      delete               retention
+    ReadableStore  Readable + RangeReadable + Listable   (what a receiver or a catalog reads)
+    Store          all five             (what a publisher writes to)
 
 Keys are relative '/'-separated paths of [A-Za-z0-9._-] segments. Lifecycle: a publisher `put`s
 chunk objects (plain writes; retried freely), then `put(..., create_only=True)` the manifest:
 that single create-only write is the commit. Readers `get`/`get_range` objects and `children`
-to discover versions. Every method raises only StoreError subclasses.
+to discover versions.
+
+Every method takes a keyword `timeout`: seconds for this call, None for the store's own
+default. A call raises only UsageError (an invalid key, range or timeout: a caller's bug) or a
+StoreError: ObjectNotFound, ObjectExists, StoreTimeout (no answer in time: retrying may help)
+or StoreRefused (an answer that says no: permissions, I/O error, credentials).
 """
 
 from __future__ import annotations
 
+import math
 import re
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from ..errors import UsageError
 
@@ -17,70 +34,100 @@ _KEY_SEGMENT = re.compile(r"^[A-Za-z0-9._\-]+$")
 
 
 def check_key(key: str) -> str:
+    """`key` if it is a valid store key, else UsageError (before any backend sees it)."""
     parts = key.split("/")
     if not key or any(not _KEY_SEGMENT.match(p) or p in (".", "..") for p in parts):
         raise UsageError(f"invalid store key {key!r}: use '/'-separated [A-Za-z0-9._-] segments")
     return key
 
 
+def check_timeout(timeout: float | None, default: float | None, where: str) -> float | None:
+    """Seconds this call may take: `timeout`, or the store's `default` when None.
+
+    None (no default either) means the backend's own per-operation bounds only.
+    Raises UsageError for a timeout that is not a positive finite number.
+    """
+    if timeout is None:
+        return default
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) \
+            or not math.isfinite(timeout) or timeout <= 0:
+        raise UsageError(f"{where}: timeout={timeout!r}; give seconds > 0 (or None for the "
+                         "store's default)")
+    return float(timeout)
+
+
 @runtime_checkable
-class Store(Protocol):
-    """An object store holding versions. Implementations are safe to share between threads."""
+class Readable(Protocol):
+    """Reads whole objects. Safe to share between threads."""
 
     url: str
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, *, timeout: float | None = None) -> bytes:
         """The whole object. Raises ObjectNotFound."""
         ...
 
-    def get_range(self, key: str, start: int, stop: int) -> bytes:
-        """Bytes [start, stop) of the object (stop exclusive, clipped at its end)."""
-        ...
-
-    def put(self, key: str, data: bytes | memoryview, *, create_only: bool = False) -> None:
-        """Write atomically: readers see the old object or the new one, never a part.
-
-        create_only: fail with ObjectExists if the key is already there (the commit primitive).
-        """
-        ...
-
-    def delete(self, key: str) -> None:
-        """Remove the object if present (no error if absent)."""
-        ...
-
-    def children(self, prefix: str) -> list[str]:
-        """Names directly under `prefix` ('' for the root): objects and sub-prefixes, sorted."""
-        ...
-
-    def size(self, key: str) -> int:
+    def size(self, key: str, *, timeout: float | None = None) -> int:
         """Byte size of the object. Raises ObjectNotFound."""
         ...
 
 
-def open_store(url: str, **options: Any) -> Store:
-    """A store from a URL: a directory path, file://PATH, s3://BUCKET/PREFIX, or memory://NAME.
+@runtime_checkable
+class RangeReadable(Protocol):
+    """Reads parts of objects. Safe to share between threads."""
 
-    options go to the backend's constructor (for s3://: endpoint_url, timeouts, … see S3Store).
-    s3:// imports botocore only when used, so the core does not depend on it.
-    """
-    from .local import LocalStore
-    from .memory import MemoryStore
+    url: str
 
-    if url.startswith("s3://"):
-        try:
-            from .s3 import S3Store
-        except ImportError as exc:
-            raise UsageError(f"store {url!r} needs the S3 client ({exc.name} is not installed): "
-                             "pip install 'weighthub[s3]'") from exc
-        return S3Store.from_url(url, **options)
-    if options:
-        raise UsageError(f"store {url!r}: options {sorted(options)} apply only to s3:// stores")
-    if url.startswith("memory://"):
-        return MemoryStore.named(url[len("memory://"):])
-    if url.startswith("file://"):
-        return LocalStore(url[len("file://"):])
-    if "://" in url:
-        scheme = url.split("://", 1)[0]
-        raise UsageError(f"store {url!r}: scheme {scheme!r} is not supported; use a directory "
-                         "path, file://PATH, s3://BUCKET/PREFIX or memory://NAME")
-    return LocalStore(url)
+    def get_range(self, key: str, start: int, stop: int, *,
+                  timeout: float | None = None) -> bytes:
+        """Bytes [start, stop) of the object (stop exclusive, clipped at its end; b'' if
+        stop <= start). Raises ObjectNotFound."""
+        ...
+
+
+@runtime_checkable
+class Writable(Protocol):
+    """Writes objects atomically. Safe to share between threads."""
+
+    url: str
+
+    def put(self, key: str, data: bytes | memoryview, *, create_only: bool = False,
+            timeout: float | None = None) -> None:
+        """Write atomically: readers see the old object or the new one, never a part.
+
+        create_only: fail with ObjectExists if the key is already there (the commit primitive:
+        of writers racing for one key, exactly one wins, even across processes).
+        """
+        ...
+
+
+@runtime_checkable
+class Listable(Protocol):
+    """Lists names under a prefix. Safe to share between threads."""
+
+    url: str
+
+    def children(self, prefix: str, *, timeout: float | None = None) -> list[str]:
+        """Names directly under `prefix` ('' for the root): objects and sub-prefixes, sorted.
+        An object, or a prefix with nothing under it, has none ([])."""
+        ...
+
+
+@runtime_checkable
+class Deletable(Protocol):
+    """Removes objects. Safe to share between threads."""
+
+    url: str
+
+    def delete(self, key: str, *, timeout: float | None = None) -> None:
+        """Remove the object if present (no error if absent)."""
+        ...
+
+
+@runtime_checkable
+class ReadableStore(Readable, RangeReadable, Listable, Protocol):
+    """What a reader of versions needs: objects, ranges of them, and listings."""
+
+
+@runtime_checkable
+class Store(Readable, RangeReadable, Writable, Listable, Deletable, Protocol):
+    """An object store holding versions: every ability. Implementations are thread-safe."""

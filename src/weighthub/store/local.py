@@ -4,74 +4,132 @@ Writes go to a temporary file in the target directory, are fsynced, then renamed
 so readers never see a partial object. Create-only writes use link(2), which fails atomically if
 the name exists: two publishers (even in different processes) racing for the same version see
 exactly one winner.
+
+Bounded waits: objects are opened with O_NONBLOCK and must be regular files, so a FIFO or a
+device planted under a key is refused (StoreRefused) instead of blocking a reader forever. Data
+moves in pieces of `PIECE` bytes with the call's deadline checked between pieces, so a slow disk
+ends in StoreTimeout; a single system call that never returns (a hard NFS mount whose server
+died) cannot be interrupted from Python and is the one wait this does not bound.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import stat
+import time
 import uuid
 from pathlib import Path
 
-from ..errors import ObjectExists, ObjectNotFound, StoreUnavailable, UsageError
-from .base import check_key
+from ..errors import ObjectExists, ObjectNotFound, StoreRefused, StoreTimeout, UsageError
+from .base import check_key, check_timeout
+
+PIECE = 64 << 20  # bytes per read/write between deadline checks: ~10-50 ms of a disk's time
+_TIMED_OUT = (errno.ETIMEDOUT, errno.EAGAIN)  # soft network mounts report a lost server so
 
 
 class LocalStore:
-    def __init__(self, root: str | os.PathLike[str], *, create: bool = True):
+    """A store in a directory. Thread- and process-safe.
+
+    Args:
+        root: the directory (created unless `create=False`).
+        timeout: default seconds per call; None: no deadline beyond the regular-file check.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, create: bool = True,
+                 timeout: float | None = None) -> None:
         self.root = Path(root).expanduser().absolute()
         self.url = f"file://{self.root}"
+        self.timeout = check_timeout(timeout, None, f"store {self.url}")
         if self.root.exists() and not self.root.is_dir():
             raise UsageError(f"store {self.root} exists and is not a directory")
         if create:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
-                raise StoreUnavailable(f"cannot create store directory {self.root}: "
-                                       f"{exc.strerror}") from exc
+                raise StoreRefused(f"cannot create store directory {self.root}: "
+                                   f"{exc.strerror}; fix its permissions or choose another "
+                                   "store") from exc
 
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
 
-    def get(self, key: str) -> bytes:
+    def _deadline(self, op: str, key: str, timeout: float | None) -> _Deadline:
+        limit = check_timeout(timeout, self.timeout, f"{op} {key!r} in {self.url}")
+        return _Deadline(f"{op} {key!r} in {self.url}", limit)
+
+    def get(self, key: str, *, timeout: float | None = None) -> bytes:
+        return self._read(key, 0, None, self._deadline("get", key, timeout))
+
+    def get_range(self, key: str, start: int, stop: int, *,
+                  timeout: float | None = None) -> bytes:
+        if start < 0 or stop < 0:
+            raise UsageError(f"get_range({key!r}, {start}, {stop}): offsets must be >= 0")
+        return self._read(key, start, stop, self._deadline("get_range", key, timeout))
+
+    def size(self, key: str, *, timeout: float | None = None) -> int:
         path = self._path(key)
+        self._deadline("size", key, timeout)  # validates it: a stat does not wait on data
         try:
-            return path.read_bytes()
-        except FileNotFoundError:
+            info = path.stat()
+        except (FileNotFoundError, NotADirectoryError):
             raise ObjectNotFound(f"{key!r} is not in store {self.url}") from None
         except OSError as exc:
-            raise StoreUnavailable(f"cannot read {path}: {exc.strerror}") from exc
+            raise _mapped(exc, f"cannot stat {path}") from exc
+        if stat.S_ISDIR(info.st_mode):  # a prefix of other keys, not an object
+            raise ObjectNotFound(f"{key!r} is not in store {self.url} (only keys under it are)")
+        return info.st_size
 
-    def get_range(self, key: str, start: int, stop: int) -> bytes:
+    def _read(self, key: str, start: int, stop: int | None, deadline: _Deadline) -> bytes:
         path = self._path(key)
         try:
-            with path.open("rb") as f:
-                f.seek(start)
-                return f.read(max(0, stop - start))
-        except FileNotFoundError:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        except (FileNotFoundError, NotADirectoryError):
             raise ObjectNotFound(f"{key!r} is not in store {self.url}") from None
         except OSError as exc:
-            raise StoreUnavailable(f"cannot read {path}: {exc.strerror}") from exc
-
-    def size(self, key: str) -> int:
+            raise _mapped(exc, f"cannot read {path}") from exc
         try:
-            return self._path(key).stat().st_size
-        except FileNotFoundError:
-            raise ObjectNotFound(f"{key!r} is not in store {self.url}") from None
+            info = os.fstat(fd)
+            if stat.S_ISDIR(info.st_mode):  # a prefix of other keys, not an object
+                raise ObjectNotFound(f"{key!r} is not in store {self.url} (only keys under it "
+                                     "are)")
+            if not stat.S_ISREG(info.st_mode):
+                raise StoreRefused(f"{path} (key {key!r}) is not a regular file; a store holds "
+                                   "only files it wrote: remove it")
+            end = info.st_size if stop is None else min(stop, info.st_size)
+            pieces = []
+            pos = start
+            while pos < end:
+                deadline.check(f"{pos - start}/{end - start} bytes read")
+                piece = os.pread(fd, min(PIECE, end - pos), pos)
+                if not piece:  # truncated under us: a writer replaced it, we had the old inode
+                    break
+                pieces.append(piece)
+                pos += len(piece)
+            return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        except OSError as exc:
+            raise _mapped(exc, f"cannot read {path}") from exc
+        finally:
+            os.close(fd)
 
-    def put(self, key: str, data: bytes | memoryview, *, create_only: bool = False) -> None:
+    def put(self, key: str, data: bytes | memoryview, *, create_only: bool = False,
+            timeout: float | None = None) -> None:
         path = self._path(key)
+        deadline = self._deadline("put", key, timeout)
         tmp = path.parent / f".tmp-{uuid.uuid4().hex}"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 view = memoryview(data).cast("B")
+                total = len(view)
                 while view:
-                    view = view[os.write(fd, view):]
+                    deadline.check(f"{total - len(view)}/{total} bytes written")
+                    view = view[os.write(fd, view[:PIECE]):]
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            deadline.check("written, not yet in place")  # a late write does not land
             if create_only:
                 try:
                     os.link(tmp, path)
@@ -82,18 +140,21 @@ class LocalStore:
             _fsync_dir(path.parent)
         except OSError as exc:
             if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-                raise StoreUnavailable(f"store {self.root} is not writable ({exc.strerror}): fix "
-                                       "its permissions or choose another store") from exc
-            raise StoreUnavailable(f"cannot write {path}: {exc.strerror}") from exc
+                raise StoreRefused(f"store {self.root} is not writable ({exc.strerror}): fix "
+                                   "its permissions or choose another store") from exc
+            raise _mapped(exc, f"cannot write {path}") from exc
         finally:
             if tmp.exists():
                 tmp.unlink(missing_ok=True)
 
-    def delete(self, key: str) -> None:
+    def delete(self, key: str, *, timeout: float | None = None) -> None:
+        self._deadline("delete", key, timeout)  # validated; an unlink does not wait on data
         try:
             self._path(key).unlink(missing_ok=True)
+        except NotADirectoryError:  # 'a/b' where 'a' is an object: nothing to delete
+            return
         except OSError as exc:
-            raise StoreUnavailable(f"cannot delete {key!r} in {self.url}: {exc.strerror}") from exc
+            raise _mapped(exc, f"cannot delete {key!r} in {self.url}") from exc
         # drop now-empty parent directories so deleted versions leave nothing behind
         parent = self._path(key).parent
         while parent != self.root:
@@ -103,14 +164,39 @@ class LocalStore:
                 break
             parent = parent.parent
 
-    def children(self, prefix: str) -> list[str]:
+    def children(self, prefix: str, *, timeout: float | None = None) -> list[str]:
         path = self.root / check_key(prefix) if prefix else self.root
+        self._deadline("children", prefix or "/", timeout)
         try:
             return sorted(p.name for p in path.iterdir() if not p.name.startswith(".tmp-"))
         except (FileNotFoundError, NotADirectoryError):  # an object has no children
             return []
         except OSError as exc:
-            raise StoreUnavailable(f"cannot list {path}: {exc.strerror}") from exc
+            raise _mapped(exc, f"cannot list {path}") from exc
+
+
+class _Deadline:
+    """The end of one call; `check` raises StoreTimeout once it has passed."""
+
+    __slots__ = ("end", "limit", "what")
+
+    def __init__(self, what: str, limit: float | None) -> None:
+        self.what = what
+        self.limit = limit
+        self.end = None if limit is None else time.monotonic() + limit
+
+    def check(self, progress: str) -> None:
+        if self.end is not None and time.monotonic() > self.end:
+            raise StoreTimeout(f"{self.what}: not done within {self.limit:g}s ({progress}); "
+                               "the disk is slow or the mount hangs: retry, or raise timeout")
+
+
+def _mapped(exc: OSError, what: str) -> StoreTimeout | StoreRefused:
+    """The store error for an OSError: a timed-out mount may come back, anything else won't."""
+    if exc.errno in _TIMED_OUT:
+        return StoreTimeout(f"{what}: {exc.strerror}; the file system did not answer in time: "
+                            "retry, or check the mount")
+    return StoreRefused(f"{what}: {exc.strerror}; check the disk and the store's permissions")
 
 
 def _fsync_dir(path: Path) -> None:

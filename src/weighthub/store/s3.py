@@ -14,15 +14,18 @@ AWS_ENDPOINT_URL (path-style addressing is used whenever an endpoint is given).
 
 Failure policy, applied in one place (`_call`), for every request:
 - each attempt has a connect timeout and a read timeout (per socket read, also while streaming
-  a body), so a server that accepts and then says nothing ends in StoreUnavailable, not a hang
+  a body), so a server that accepts and then says nothing ends in StoreTimeout, not a hang
   (an upload first waits up to 1 s, botocore's fixed wait, for `100 Continue`);
 - transient failures (5xx, throttling, connection refused/reset, timeouts, truncated bodies) are
   retried with jittered exponential backoff, at most `attempts` times in all; 4xx never are;
-- every botocore/urllib3 exception is mapped to the weighthub error tree here, with the
-  endpoint, bucket and what to do in the message. Worst case for one request against a
-  silent server: attempts × (connect_timeout + 1 s + read_timeout) + backoff (< attempts ×
-  max_backoff). A server that trickles bytes just faster than the read timeout is not bounded
-  by this (no total deadline per body).
+- every botocore/urllib3 exception is mapped to the weighthub error tree once
+  (`s3_errors.map_error`), with the endpoint, bucket and what to do in the message. Worst case
+  for one request against a silent server: attempts × (connect_timeout + 1 s + read_timeout) +
+  backoff (< attempts × max_backoff).
+- a per-call `timeout` (default: the store's) is a deadline for the whole call, parts and
+  retries included: no attempt starts after it, backoff never sleeps past it, and each
+  attempt's timeouts shrink to the time left (a cached botocore client per timeout pair).
+  Without one, a server trickling bytes just faster than the read timeout is not bounded.
 """
 
 from __future__ import annotations
@@ -39,27 +42,19 @@ from typing import Any, TypeVar
 
 import botocore.session
 from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+from botocore.exceptions import BotoCoreError, ClientError
 
-from ..errors import ObjectExists, ObjectNotFound, StoreError, StoreUnavailable, UsageError
-from .base import check_key
+from ..errors import StoreError, StoreTimeout, UsageError
+from .base import check_key, check_timeout
+from .s3_errors import Retryable, map_error
 
 T = TypeVar("T")
 
 MiB = 1 << 20
-_THROTTLE = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
-             "TooManyRequests", "RequestTimeout", "RequestTimeTooSkewed", "ServiceUnavailable",
-             "InternalError", "ConditionalRequestConflict"}
-_AUTH = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken",
-         "ExpiredToken", "TokenRefreshRequired", "AuthorizationHeaderMalformed", "403"}
 _BUCKET_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789.-")
-
-
-class _Retryable:
-    """Internal: one attempt failed transiently; the error to raise if it was the last one."""
-
-    def __init__(self, error: StoreError) -> None:
-        self.error = error
+# per-attempt timeouts under a deadline are rounded down to one of these, so a store makes a
+# handful of botocore clients (one per pair, cached), not one per call
+_TIMEOUT_STEPS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0)
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -88,6 +83,8 @@ class S3Store:
         region: default AWS_REGION / AWS_DEFAULT_REGION, else us-east-1.
         access_key_id, secret_access_key: default the environment / botocore's credential chain.
         connect_timeout, read_timeout: seconds per attempt (read: per socket read).
+        timeout: default deadline per call (seconds, parts and retries included); None: only
+            the per-attempt bounds above.
         attempts: tries per request, including the first (transient failures only).
         part_size: bytes per multipart-upload part and per ranged GET.
         multipart_threshold: objects at least this big are uploaded in parallel parts.
@@ -99,7 +96,7 @@ class S3Store:
                  secret_access_key: str | None = None, connect_timeout: float = 5.0,
                  read_timeout: float = 30.0, attempts: int = 4, max_backoff: float = 2.0,
                  part_size: int = 8 * MiB, multipart_threshold: int = 16 * MiB,
-                 parallel: int = 4) -> None:
+                 parallel: int = 4, timeout: float | None = None) -> None:
         if attempts < 1 or parallel < 1 or connect_timeout <= 0 or read_timeout <= 0:
             raise UsageError("S3Store: attempts and parallel must be >= 1, timeouts > 0")
         if part_size < 5 * MiB or multipart_threshold < part_size:
@@ -114,6 +111,7 @@ class S3Store:
         self.multipart_threshold = multipart_threshold
         self.parallel = parallel
         self.timeouts = (connect_timeout, read_timeout)
+        self.timeout = check_timeout(timeout, None, f"store {self.url}")
         endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") \
             or os.environ.get("AWS_ENDPOINT_URL") or None
         region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") \
@@ -127,15 +125,12 @@ class S3Store:
             response_checksum_validation="when_required",
             s3={"addressing_style": "path"} if endpoint_url else None,
         )
-        try:
-            with _SESSION_LOCK:  # a botocore session is not thread-safe; its clients are
-                self._client = _session().create_client(
-                    "s3", endpoint_url=endpoint_url, region_name=region,
-                    aws_access_key_id=access_key_id, aws_secret_access_key=secret_access_key,
-                    config=config)
-        except (BotoCoreError, ValueError) as exc:
-            raise UsageError(f"store {self.url}: cannot set up an S3 client for endpoint "
-                             f"{endpoint_url or 'AWS'}: {exc}") from exc
+        self._config = config
+        self._client_args: dict[str, Any] = {
+            "endpoint_url": endpoint_url, "region_name": region,
+            "aws_access_key_id": access_key_id, "aws_secret_access_key": secret_access_key}
+        self._clients: dict[tuple[float, float], Any] = {}
+        self._client = self._make_client(self.timeouts)
         self.endpoint = self._client.meta.endpoint_url
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -157,9 +152,11 @@ class S3Store:
         return f"S3Store({self.url!r}, endpoint={self.endpoint!r})"
 
     # -- Store protocol --------------------------------------------------------------------------
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, *, timeout: float | None = None) -> bytes:
         name = self._name(key)
-        first = self._call("get", key, lambda: self._get_part(name, 0, self.part_size, None))
+        end = self._deadline("get", key, timeout)
+        first = self._call("get", key, end, lambda c: self._get_part(c, name, 0, self.part_size,
+                                                                     None))
         if first is None:  # 416 on the first range: the object exists and is empty
             return b""
         head, total, etag = first
@@ -168,67 +165,77 @@ class S3Store:
         starts = range(len(head), total, self.part_size)
 
         def part(start: int) -> bytes:
-            got = self._call("get", key, lambda: self._get_part(name, start, self.part_size, etag))
+            got = self._call("get", key, end, lambda c: self._get_part(c, name, start,
+                                                                       self.part_size, etag))
             if got is None or len(got[0]) != min(self.part_size, total - start):
-                raise StoreUnavailable(f"{self._where(key)}: short read at offset {start}")
+                raise StoreTimeout(f"{self._where(key)}: short read at offset {start}: the "
+                                   "server dropped the body; retry")
             return got[0]
 
         try:
             parts = list(self._executor().map(part, starts))
         except _Changed:
-            return self.get(key)  # replaced while we read it: read the new object afresh
+            # replaced while we read it: read the new object afresh, within what is left
+            return self.get(key, timeout=None if end is None else max(1e-3, end - time.monotonic()))
         return b"".join([head, *parts])
 
-    def get_range(self, key: str, start: int, stop: int) -> bytes:
+    def get_range(self, key: str, start: int, stop: int, *,
+                  timeout: float | None = None) -> bytes:
         name = self._name(key)
         if start < 0 or stop < 0:
             raise UsageError(f"get_range({key!r}, {start}, {stop}): offsets must be >= 0")
         if stop <= start:
-            self.size(key)  # an empty range still says whether the object exists
+            self.size(key, timeout=timeout)  # an empty range still says whether it exists
             return b""
-        got = self._call("get_range", key, lambda: self._get_part(name, start, stop - start, None))
+        end = self._deadline("get_range", key, timeout)
+        got = self._call("get_range", key, end,
+                         lambda c: self._get_part(c, name, start, stop - start, None))
         return b"" if got is None else got[0]
 
-    def size(self, key: str) -> int:
+    def size(self, key: str, *, timeout: float | None = None) -> int:
         # a 1-byte ranged GET, not HEAD: HEAD errors carry no code, so a missing bucket or bad
         # credentials would look like a missing key
         name = self._name(key)
-        got = self._call("size", key, lambda: self._get_part(name, 0, 1, None))
+        end = self._deadline("size", key, timeout)
+        got = self._call("size", key, end, lambda c: self._get_part(c, name, 0, 1, None))
         return 0 if got is None else got[1]
 
-    def put(self, key: str, data: bytes | memoryview, *, create_only: bool = False) -> None:
+    def put(self, key: str, data: bytes | memoryview, *, create_only: bool = False,
+            timeout: float | None = None) -> None:
         name = self._name(key)
+        end = self._deadline("put", key, timeout)
         view = memoryview(data).cast("B")
         if create_only or len(view) < self.multipart_threshold:
             extra = {"IfNoneMatch": "*"} if create_only else {}
             body = bytes(view)
-            self._call("put", key, lambda: self._client.put_object(
+            self._call("put", key, end, lambda c: c.put_object(
                 Bucket=self.bucket, Key=name, Body=body, **extra), create_only=create_only)
             return
-        self._put_multipart(key, name, view)
+        self._put_multipart(key, name, view, end)
 
-    def delete(self, key: str) -> None:
+    def delete(self, key: str, *, timeout: float | None = None) -> None:
         name = self._name(key)
-        self._call("delete", key, lambda: self._client.delete_object(Bucket=self.bucket, Key=name))
+        end = self._deadline("delete", key, timeout)
+        self._call("delete", key, end, lambda c: c.delete_object(Bucket=self.bucket, Key=name))
         # Servers with a directory tree (SeaweedFS) keep emptied "folders" and list them as
         # prefixes. Deleting "dir/" removes a folder only when it is empty (S3 proper: a no-op,
         # our keys never end in '/'), so deleted versions leave nothing behind.
         parts = key.split("/")[:-1]
         while parts:
             folder = self._name("/".join(parts)) + "/"
-            self._call("delete", key, partial(self._client.delete_object, Bucket=self.bucket,
-                                              Key=folder))
+            self._call("delete", key, end, partial(_delete_object, bucket=self.bucket, key=folder))
             parts.pop()
 
-    def children(self, prefix: str) -> list[str]:
+    def children(self, prefix: str, *, timeout: float | None = None) -> list[str]:
         base = self._name(prefix) + "/" if prefix else (self.prefix + "/" if self.prefix else "")
+        end = self._deadline("children", prefix or "/", timeout)
         names: set[str] = set()
         token: str | None = None
         while True:
             kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base, "Delimiter": "/"}
             if token:
                 kwargs["ContinuationToken"] = token
-            page = self._call("list", prefix or "/", partial(self._client.list_objects_v2, **kwargs))
+            page = self._call("list", prefix or "/", end, partial(_list_page, kwargs=kwargs))
             for p in page.get("CommonPrefixes", []):
                 names.add(p["Prefix"][len(base):].rstrip("/"))
             for o in page.get("Contents", []):
@@ -240,7 +247,7 @@ class S3Store:
         return sorted(n for n in names if n and "/" not in n)
 
     # -- parts -----------------------------------------------------------------------------------
-    def _get_part(self, name: str, start: int, length: int,
+    def _get_part(self, client: Any, name: str, start: int, length: int,
                   etag: str | None) -> tuple[bytes, int, str] | None:
         """Bytes [start, start+length) with the object's total size and ETag; None on 416."""
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": name,
@@ -248,7 +255,7 @@ class S3Store:
         if etag is not None:
             kwargs["IfMatch"] = etag
         try:
-            resp = self._client.get_object(**kwargs)
+            resp = client.get_object(**kwargs)
         except ClientError as exc:
             code = exc.response.get("Error", {}).get("Code", "")
             if code == "InvalidRange":
@@ -261,20 +268,20 @@ class S3Store:
         total = _total_from_content_range(resp.get("ContentRange"), start + len(data))
         return data, total, resp.get("ETag", "")
 
-    def _put_multipart(self, key: str, name: str, view: memoryview) -> None:
-        up = self._call("put", key, lambda: self._client.create_multipart_upload(
+    def _put_multipart(self, key: str, name: str, view: memoryview, end: float | None) -> None:
+        up = self._call("put", key, end, lambda c: c.create_multipart_upload(
             Bucket=self.bucket, Key=name))["UploadId"]
         starts = list(range(0, len(view), self.part_size))
 
         def part(i: int) -> dict[str, Any]:
             body = bytes(view[starts[i]: starts[i] + self.part_size])
-            resp = self._call("put", key, lambda: self._client.upload_part(
+            resp = self._call("put", key, end, lambda c: c.upload_part(
                 Bucket=self.bucket, Key=name, UploadId=up, PartNumber=i + 1, Body=body))
             return {"ETag": resp["ETag"], "PartNumber": i + 1}
 
         try:
             parts = list(self._executor().map(part, range(len(starts))))
-            self._call("put", key, lambda: self._client.complete_multipart_upload(
+            self._call("put", key, end, lambda c: c.complete_multipart_upload(
                 Bucket=self.bucket, Key=name, UploadId=up, MultipartUpload={"Parts": parts}))
         except BaseException:
             # best effort: do not leave orphaned parts billing in the bucket
@@ -288,6 +295,37 @@ class S3Store:
                 self._pool = ThreadPoolExecutor(self.parallel, thread_name_prefix="weighthub-s3")
             return self._pool
 
+    # -- clients under a deadline ----------------------------------------------------------------
+    def _make_client(self, timeouts: tuple[float, float]) -> Any:
+        config = self._config.merge(Config(connect_timeout=timeouts[0], read_timeout=timeouts[1]))
+        try:
+            with _SESSION_LOCK:  # a botocore session is not thread-safe; its clients are
+                return _session().create_client("s3", config=config, **self._client_args)
+        except (BotoCoreError, ValueError) as exc:
+            raise UsageError(f"store {self.url}: cannot set up an S3 client for endpoint "
+                             f"{self._client_args['endpoint_url'] or 'AWS'}: {exc}") from exc
+
+    def _client_until(self, end: float | None) -> Any:
+        """A client whose per-attempt timeouts end by `end` (rounded down to a step)."""
+        if end is None:
+            return self._client
+        left = end - time.monotonic()
+        step = max([s for s in _TIMEOUT_STEPS if s <= left], default=_TIMEOUT_STEPS[0])
+        pair = (min(self.timeouts[0], step), min(self.timeouts[1], step))
+        if pair == self.timeouts:
+            return self._client
+        with self._pool_lock:
+            client = self._clients.get(pair)
+        if client is None:
+            client = self._make_client(pair)
+            with self._pool_lock:
+                client = self._clients.setdefault(pair, client)
+        return client
+
+    def _deadline(self, op: str, key: str, timeout: float | None) -> float | None:
+        limit = check_timeout(timeout, self.timeout, f"{op} {self._where(key)}")
+        return None if limit is None else time.monotonic() + limit
+
     # -- the seam: retries and error mapping -----------------------------------------------------
     def _name(self, key: str) -> str:
         check_key(key)
@@ -296,66 +334,37 @@ class S3Store:
     def _where(self, key: str) -> str:
         return f"{key!r} in {self.url} (endpoint {self.endpoint})"
 
-    def _call(self, op: str, key: str, fn: Callable[[], T], *, create_only: bool = False) -> T:
-        """Run one S3 request with retries on transient failures; map every failure once."""
+    def _call(self, op: str, key: str, end: float | None, fn: Callable[[Any], T], *,
+              create_only: bool = False) -> T:
+        """Run one S3 request with retries on transient failures, all before `end`; map every
+        failure once (`s3_errors.map_error`)."""
         t0 = time.monotonic()
         for attempt in range(1, self.attempts + 1):
+            if end is not None and time.monotonic() >= end:
+                raise StoreTimeout(f"{op} {self._where(key)}: not done within "
+                                   f"{end - t0:.2f}s ({attempt - 1} attempt(s)); the server is "
+                                   "slow or unreachable: retry, or raise timeout")
             try:
-                return fn()
+                return fn(self._client_until(end))
             except _Changed:
                 raise
             except Exception as exc:
-                mapped = self._map(op, key, exc, create_only)
+                mapped = map_error(self, op, key, exc, create_only)
                 if mapped is None:
                     raise
-                if not isinstance(mapped, _Retryable):
+                if not isinstance(mapped, Retryable):
                     raise mapped from exc
                 if attempt == self.attempts:
                     raise type(mapped.error)(f"{mapped.error} (gave up after {attempt} attempts, "
                                              f"{time.monotonic() - t0:.1f}s)") from exc
+                last: StoreError = mapped.error
             # full jitter: concurrent receivers do not retry in lockstep
-            time.sleep(random.uniform(0, min(self.max_backoff, 0.1 * 2 ** attempt)))
+            pause = random.uniform(0, min(self.max_backoff, 0.1 * 2 ** attempt))
+            if end is not None and time.monotonic() + pause >= end:
+                raise type(last)(f"{last} (no time left for attempt {attempt + 1}: the call's "
+                                 f"deadline of {end - t0:.2f}s passed)")
+            time.sleep(pause)
         raise AssertionError("unreachable")  # pragma: no cover
-
-    def _map(self, op: str, key: str, exc: Exception,
-             create_only: bool) -> StoreError | _Retryable | None:
-        """The weighthub error for a backend exception; None to let it pass unchanged."""
-        where = self._where(key)
-        if isinstance(exc, StoreError | UsageError):
-            return None
-        if isinstance(exc, NoCredentialsError):
-            return StoreUnavailable(f"{op} {where}: no S3 credentials found; set "
-                                    "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
-        if isinstance(exc, ClientError):
-            err = exc.response.get("Error", {})
-            code = str(err.get("Code", ""))
-            status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-            message = err.get("Message", "") or code
-            if code in ("NoSuchKey", "404") and status == 404:
-                return ObjectNotFound(f"{key!r} is not in store {self.url}")
-            if code == "NoSuchBucket":
-                return StoreUnavailable(f"{op} {where}: bucket {self.bucket!r} does not exist at "
-                                        f"{self.endpoint}; create it (e.g. `aws s3 mb "
-                                        f"s3://{self.bucket}`) or fix the store URL")
-            if create_only and (code in ("PreconditionFailed", "412") or status == 412):
-                return ObjectExists(f"{key!r} already exists in store {self.url}")
-            if code in _AUTH or status in (401, 403):
-                return StoreUnavailable(f"{op} {where}: the S3 server at {self.endpoint} refused "
-                                        f"the credentials ({code}: {message}); check "
-                                        "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and that they "
-                                        f"may access bucket {self.bucket!r}")
-            if status >= 500 or status == 429 or code in _THROTTLE:
-                return _Retryable(StoreUnavailable(f"{op} {where}: server error {status} "
-                                                   f"{code}: {message}"))
-            return StoreUnavailable(f"{op} {where}: S3 refused the request ({status} {code}: "
-                                    f"{message})")
-        if isinstance(exc, BotoCoreError | OSError) or _is_urllib3(exc):
-            return _Retryable(StoreUnavailable(
-                f"{op} {where}: the S3 endpoint {self.endpoint} did not answer in time or "
-                f"dropped the connection ({type(exc).__name__}: {exc}); check that it is up "
-                f"and reachable (timeouts: connect {self.timeouts[0]:g}s, read "
-                f"{self.timeouts[1]:g}s)"))
-        return None  # not a backend failure (a bug of ours): let it surface as is
 
 
 _SESSION_LOCK = threading.Lock()
@@ -374,8 +383,12 @@ class _Changed(Exception):
     """Internal: the object's ETag changed between the parts of one get."""
 
 
-def _is_urllib3(exc: Exception) -> bool:
-    return type(exc).__module__.startswith(("urllib3", "http.client"))
+def _delete_object(client: Any, *, bucket: str, key: str) -> Any:
+    return client.delete_object(Bucket=bucket, Key=key)
+
+
+def _list_page(client: Any, *, kwargs: dict[str, Any]) -> Any:
+    return client.list_objects_v2(**kwargs)
 
 
 def _total_from_content_range(value: str | None, fallback: int) -> int:

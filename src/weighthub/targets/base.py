@@ -9,6 +9,10 @@ Lifecycle (the receiver drives it, one transaction at a time):
     ... the receiver applies, verifies digests ...
     commit(held)      make the new version durable and visible; record what is held
     abort()           discard whatever open() materialized (bits were already rolled back)
+
+`TargetWrapper` forwards all of these to an inner target; wrappers (fp8 blocks, read leases,
+an engine's parameters) override only what they change. `weighthub.testing.TargetTests` is the
+behaviour every target must have.
 """
 
 from __future__ import annotations
@@ -43,6 +47,37 @@ class Target(Protocol):
     def commit(self, held: Held) -> None: ...
 
     def abort(self) -> None: ...
+
+
+class TargetWrapper:
+    """A Target that forwards every call to `inner`; subclasses override only what they change.
+
+    Wrappers add behaviour around a target's lifecycle (a lease gate around open/commit/abort,
+    re-quantization or an engine push at commit), while the bits the receiver applies and
+    verifies stay the inner target's. A subclass that overrides `open`, `commit` or `abort`
+    calls the inner one itself (`self.inner.commit(held)`), at the point its own work needs.
+    """
+
+    def __init__(self, inner: Target) -> None:
+        self.inner = inner
+
+    def held(self) -> Held | None:
+        return self.inner.held()
+
+    def specs(self) -> list[TensorSpec] | None:
+        return self.inner.specs()
+
+    def peek(self) -> dict[str, np.ndarray]:
+        return self.inner.peek()
+
+    def open(self, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
+        return self.inner.open(specs)
+
+    def commit(self, held: Held) -> None:
+        self.inner.commit(held)
+
+    def abort(self) -> None:
+        self.inner.abort()
 
 
 def unique_views(views: dict[str, np.ndarray]) -> dict[str, str]:

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import UsageError
 from ..tensors import TensorSpec
-from .base import Held, Target
+from .base import Held, Target, TargetWrapper
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 _SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
@@ -75,7 +75,7 @@ def _default_select(spec: TensorSpec) -> bool:
     return len(spec.shape) == 2 and spec.dtype.is_float and spec.dtype.width >= 2
 
 
-class Fp8BlockTarget:
+class Fp8BlockTarget(TargetWrapper):
     """Wraps a canonical target; keeps fp8 block-quantized copies of its 2-D float tensors.
 
     Args:
@@ -91,25 +91,13 @@ class Fp8BlockTarget:
                  select: Callable[[TensorSpec], bool] = _default_select) -> None:
         if len(block) != 2 or min(block) < 1:
             raise UsageError(f"block={block}: need two positive sizes")
-        self.inner = inner
+        super().__init__(inner)
         self.block = block
         self.select = select
         # fp8 bits as zero-padded blocks (rows/bh, cols/bw, bh, bw), and fp32 scales per block
         self._blocks: dict[str, tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]] = {}
         self.report = ConversionReport()
         self._prev: dict[str, np.ndarray] = {}  # canonical bits the weights were made from
-
-    def held(self) -> Held | None:
-        return self.inner.held()
-
-    def specs(self) -> list[TensorSpec] | None:
-        return self.inner.specs()
-
-    def peek(self) -> dict[str, np.ndarray]:
-        return self.inner.peek()
-
-    def open(self, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
-        return self.inner.open(specs)
 
     def commit(self, held: Held) -> None:
         """Re-quantize the changed blocks (computed first), commit the inner, then install."""
@@ -128,8 +116,7 @@ class Fp8BlockTarget:
             np.copyto(prev, views[spec.name])
         self.report = report
 
-    def abort(self) -> None:
-        self.inner.abort()  # nothing of ours changed before commit
+    # abort: the inner's alone (TargetWrapper); nothing of ours changes before commit
 
     def _convert(self, spec: TensorSpec, new_bits: np.ndarray
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:

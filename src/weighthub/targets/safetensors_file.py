@@ -14,104 +14,27 @@ the target is opened with `overwrite=True` (`weighthub pull --force`).
 
 from __future__ import annotations
 
-import itertools
 import json
-import math
 import os
 import shutil
 import struct
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import numpy as np
 import torch
 
-from ..errors import BaseMismatch, FormatError, LimitError, UnknownCodecError, UsageError
-from ..tensors import TensorSpec, dtype_named
+from ..errors import BaseMismatch, FormatError, UsageError
+from ..tensors import TensorSpec
 from .base import Held
+from .safetensors_header import entries, header_object, read_header
 
-MAX_HEADER_BYTES = 100 << 20
 SIDECAR_FILE_SUFFIX = ".weighthub.json"
 SIDECAR_DIR_NAME = "weighthub.json"
 # A directory OUT holds one data file: manifests describe tensors, not the files a checkpoint
 # was published from, so a sharded checkpoint comes back as this one file (same names, bits)
 DIR_DATA_FILE = "model.safetensors"
-
-
-@dataclass(frozen=True, slots=True)
-class _Entry:
-    spec: TensorSpec
-    file: Path
-    offset: int  # absolute byte offset of the tensor's data in the file
-
-
-def read_header(path: Path) -> list[_Entry]:
-    """Parse and validate a safetensors header (before mapping anything).
-
-    Raises:
-        UsageError: the file cannot be read.
-        LimitError, FormatError: it is not a safetensors file, or a corrupt one.
-    """
-    header, data_start, size = _header_object(path)
-    return _entries(path, header, data_start, size)
-
-
-def _header_object(path: Path) -> tuple[dict[str, Any], int, int]:
-    """The header's JSON object, where the data starts, and the file's size."""
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise FormatError(f"{path}: {size} bytes, too short for a safetensors file (its "
-                                  "first 8 bytes are the header's length)")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise LimitError(f"{path}: its first 8 bytes declare a safetensors header of {n} "
-                                 f"bytes, in a {size}-byte file")
-            raw = f.read(n)
-    except OSError as exc:
-        raise UsageError(f"cannot read {path}: {exc.strerror}") from exc
-    try:
-        header = json.loads(raw)
-    except ValueError as exc:
-        raise FormatError(f"{path}: safetensors header is not JSON: {exc}") from exc
-    if not isinstance(header, dict):
-        raise FormatError(f"{path}: safetensors header is not an object")
-    return header, 8 + n, size
-
-
-def _entries(path: Path, header: dict[str, Any], data_start: int, size: int) -> list[_Entry]:
-    entries = []
-    spans = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = dtype_named(info["dtype"])
-            shape = tuple(info["shape"])
-            begin, end = info["data_offsets"]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise FormatError(f"{path}: bad header entry for {name!r}: {exc}") from exc
-        except UnknownCodecError as exc:  # name the file: it is the user's input
-            raise UnknownCodecError(f"{path}: tensor {name!r}: {exc}") from None
-        if not all(type(x) is int for x in (*shape, begin, end)):  # not 2.5, "3" or true
-            raise FormatError(f"{path}: tensor {name!r} has non-integer shape or offsets")
-        numel = math.prod(shape)
-        if any(d < 0 for d in shape) or end - begin != numel * dtype.width or begin < 0 \
-                or data_start + end > size:
-            raise FormatError(f"{path}: tensor {name!r} has inconsistent offsets/shape")
-        entries.append(_Entry(TensorSpec(name, dtype, shape), path, data_start + begin))
-        spans.append((begin, end, name))
-    # overlapping tensors would alias each other: an in-place update of one corrupts the other
-    spans.sort()
-    for (_b0, e0, n0), (b1, _e1, n1) in itertools.pairwise(spans):
-        if b1 < e0:
-            raise FormatError(f"{path}: tensors {n0!r} and {n1!r} overlap in the file")
-    return entries
 
 
 def _files_of(path: Path) -> list[Path]:
@@ -141,12 +64,12 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for f in files:
         try:
-            header = _header_object(f)
+            header = header_object(f)
         except FormatError as exc:  # a .bin, a .pt, a text file: the caller named the wrong file
             detail = str(exc).removeprefix(f"{f}: ")
             raise UsageError(f"{f} is not a safetensors file ({detail}); give a .safetensors file "
                              "or a directory of them") from None
-        for e in _entries(f, *header):
+        for e in entries(f, *header):
             if e.spec.name in state:
                 raise FormatError(f"{f}: tensor {e.spec.name!r} appears in two files")
             words = np.fromfile(f, dtype=e.spec.dtype.uint, count=e.spec.numel, offset=e.offset)
@@ -352,13 +275,13 @@ class SafetensorsTarget:
     def _map(self, files: list[Path], *, writable: bool = True) -> dict[str, np.ndarray]:
         views: dict[str, np.ndarray] = {}
         for f in files:
-            entries = read_header(f)
-            if not entries:
+            in_file = read_header(f)
+            if not in_file:
                 continue
             m = np.memmap(f, dtype=np.uint8, mode="r+" if writable else "r")
             if writable:
                 self._maps.append(m)  # flushed at commit/abort
-            for e in entries:
+            for e in in_file:
                 raw = m[e.offset: e.offset + e.spec.nbytes]
                 if e.spec.nbytes and e.offset % e.spec.dtype.width:
                     raise FormatError(f"{f}: tensor {e.spec.name!r} is not aligned for in-place "

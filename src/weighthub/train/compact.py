@@ -2,8 +2,10 @@
 
 A receiver that keeps fp32 master copies replays the step with the very function the trainer
 used (`projection.apply_low_rank`, fixed-order elementwise fp32 ops), so its masters stay
-bit-identical to the trainer's; per-tensor digests (`tensors.tensor_digest`, before and after)
-bind the payload to its base and prove the result. Receivers without fp32 masters use the
+bit-identical to the trainer's; per-tensor digests (`digest.tensor_digest`, before and after)
+bind the payload to its base and prove the result. The replay is one input of the transaction
+engine (`receive.transact`): it computes the new words, the engine applies them to the masters
+in place, checks the digests and commits or rolls back. Receivers without fp32 masters use the
 normal bf16 delta refit.
 
 Frame (little-endian), parsed and validated before any allocation:
@@ -22,15 +24,22 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import MutableMapping
+import threading
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 
-from ..errors import BaseMismatch, ChecksumError, FormatError, IntegrityError, LimitError, ModelMismatch
-from ..tensors import tensor_digest
+from ..codec import Op, Positions, Segment, Values
+from ..digest import root_digest, tensor_digest
+from ..errors import BaseMismatch, ChecksumError, FormatError, LimitError, ModelMismatch
+from ..format import ChunkFrame, ChunkRef, Manifest
+from ..format.manifest import KIND, MANIFEST_FORMAT, TensorEntry
+from ..receive import Chunk, Step, transact
+from ..targets.state_dict import StateDictTarget
+from ..tensors import bits, dtype_of
 from .projection import apply_low_rank, rademacher
 from .record import UpdateRecord
 
@@ -39,6 +48,7 @@ MAX_HEADER = 16 << 20
 MAX_NUMEL = 1 << 40
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _NAMES = {v: k for k, v in _DTYPES.items()}
+COMPACT_SOURCE = "logra-compact"  # the `store` a CompactReceiver's masters record (Held.store)
 
 
 def _raw(t: torch.Tensor) -> bytes:
@@ -143,27 +153,51 @@ def _tensor(entry: CompactEntry, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 class CompactReceiver:
-    """Holds fp32 masters and applies compact updates all-or-nothing.
+    """Holds fp32 masters and applies compact updates all-or-nothing, through the engine.
+
+    The replay (before the pause) computes each rewritten master's new fp32 words on a copy;
+    the transaction engine (`receive.transact`) applies them in place to the masters (a
+    `StateDictTarget`) with an undo log, checks every rewritten tensor's digest against the
+    trainer's in the payload, and commits or rolls back exactly, like any other input.
 
     Args:
-        masters: name → fp32 CPU tensor (owned by the receiver from now on).
+        masters: name → fp32 CPU tensor (owned by the receiver from now on; updated in place).
+
+    Observers that must see all of one step read the masters under `lock`.
     """
 
-    def __init__(self, masters: MutableMapping[str, torch.Tensor]) -> None:
+    def __init__(self, masters: dict[str, torch.Tensor]) -> None:
         self.masters = masters
+        self.target = StateDictTarget(masters)
         self.step: int | None = None
+        self.lock = threading.Lock()  # held while the masters' bits are changing
+        self._apply_lock = threading.Lock()  # one apply at a time: the replay reads the masters
 
     def apply(self, buf: bytes) -> dict[str, int]:
-        """Verify base digests, replay every entry on copies, verify result digests, then swap.
+        """Verify base digests, replay every entry on copies, apply them, verify result digests,
+        commit.
 
         Returns counts {"sketch": n, "dense": n, "bytes": len(buf)}. Raises FormatError family
         (bad bytes), ModelMismatch (unknown name/shape), BaseMismatch (masters are not the
         payload's base), IntegrityError (replayed bits differ from the trainer's): on any
-        error the masters are unchanged.
+        error the masters are unchanged (rolled back by the engine if they were written).
         """
         step, entries = parse_update(buf)
-        staged: dict[str, torch.Tensor] = {}
-        for e in entries:
+        with self._apply_lock:
+            full, chunks = self._replay(step, entries)
+            with self.lock:
+                transact(self.target, [Step(full, chunks)], store=COMPACT_SOURCE,
+                         held=self.target.held(), specs=full.specs(), fresh=False)
+            self.step = step
+        kinds = [e.kind for e in entries]
+        return {"sketch": kinds.count("sketch"), "dense": kinds.count("dense"), "bytes": len(buf)}
+
+    def _replay(self, step: int, entries: list[CompactEntry]) -> tuple[Manifest, list[Chunk]]:
+        """The step as a full representation of the tensors it rewrites: their new words as
+        dense chunks, and the trainer's digests as the manifest they must match."""
+        table: list[TensorEntry] = []
+        chunks: list[Chunk] = []
+        for i, e in enumerate(entries):
             cur = self.masters.get(e.name)
             if cur is None or tuple(cur.shape) != e.shape or cur.dtype != torch.float32:
                 got = None if cur is None else (tuple(cur.shape), cur.dtype)
@@ -180,15 +214,21 @@ class CompactReceiver:
                 apply_low_rank(new, u, p, coef=e.coef, decay=e.decay)
             else:
                 new = _tensor(e, e.shape).clone()
-            if tensor_digest(new) != e.digest:
-                raise IntegrityError(f"compact update step {step}: replayed '{e.name}' has digest "
-                                     f"{tensor_digest(new).hex()[:12]}…, trainer's is {e.digest.hex()[:12]}…")
-            staged[e.name] = new
-        for name, new in staged.items():  # commit: nothing above touched the masters
-            self.masters[name] = new
-        self.step = step
-        kinds = [e.kind for e in entries]
-        return {"sketch": kinds.count("sketch"), "dense": kinds.count("dense"), "bytes": len(buf)}
+            words = bits(new)
+            table.append(TensorEntry(e.name, dtype_of(new).name, list(e.shape), e.digest.hex(),
+                                     words.size))
+            ref = ChunkRef(f"step-{step}/{e.name}", words.nbytes, "", [(i, 0, words.size)])
+            seg = Segment(i, 0, words.size, Op.DENSE, Positions.ALL, Values.RAW, words.size,
+                          np.empty(0, np.uint8), words.view(np.uint8))
+            chunks.append(Chunk(ChunkFrame((seg,)), ref))
+        specs = [t.spec() for t in table]
+        root = root_digest((s, bytes.fromhex(t.digest)) for s, t in zip(specs, table, strict=True))
+        nbytes = sum(s.nbytes for s in specs)
+        full = Manifest(format=MANIFEST_FORMAT, kind=KIND, model=COMPACT_SOURCE, version=step,
+                        base=None, base_root=None, root=root.hex(), tensors=table,
+                        chunks=[c.ref for c in chunks], dense_bytes=nbytes, payload_bytes=nbytes,
+                        changed=sum(s.numel for s in specs))
+        return full, chunks
 
     def bf16_state(self) -> dict[str, torch.Tensor]:
         """The inference copy a rollout worker serves: each master cast to bf16."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..tensors import tensor_digest
+from ..digest import tensor_digest
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""PeerStore without peers: manifests only from the backing store, cached chunks verified, no writes."""
+"""A node's sources without peers: chunks from its cache (checked) or the store, relayed manifests
+trusted only with the hub's digest, and a manifest view that never writes."""
 
 from __future__ import annotations
 
@@ -6,11 +7,14 @@ import pytest
 import torch
 
 from weighthub import catalog
-from weighthub.cluster.peerstore import PeerStore
+from weighthub.cluster.peers import HolderSource
+from weighthub.cluster.relayed import RelayedManifests, relayed_manifest
 from weighthub.errors import PeerUnavailable, UsageError
+from weighthub.format import chunk_checksum
 from weighthub.net.auth import load_secret
 from weighthub.publish import Publisher
 from weighthub.receive import Receiver
+from weighthub.sources import ChunkId, SourceList, StoreCache, StoreSource
 from weighthub.store import MemoryStore
 from weighthub.targets import StateDictTarget
 from weighthub.tensors import bits
@@ -25,60 +29,67 @@ def published() -> tuple[MemoryStore, dict[str, torch.Tensor]]:
     return store, state
 
 
-def test_a_receiver_syncs_through_it_and_fills_the_cache() -> None:
+def node_sources(store: MemoryStore, holders: HolderSource,
+                 cache: MemoryStore | None = None) -> SourceList:
+    """As a node orders them: its cache, the holders, the store."""
+    return SourceList([StoreCache(cache if cache is not None else MemoryStore("cache")),
+                       holders, StoreSource(store)])
+
+
+def test_a_receiver_syncs_through_them_and_fills_the_cache() -> None:
     store, state = published()
-    cache = MemoryStore()
-    peers = PeerStore(store, lambda _k: [], SECRET, cache=cache)
+    cache = MemoryStore("cache")
+    sources = node_sources(store, HolderSource(lambda _r: [], SECRET), cache)
     target = StateDictTarget({})
-    Receiver(peers, target).sync()
+    Receiver(store, target, sources=sources).sync()
     assert all((bits(target.state[n]) == bits(t)).all() for n, t in state.items())
     keys = [c.key for c in catalog.primary_manifest(store, 0).chunks]
     assert len(keys) > 1 and all(cache.get(k) == store.get(k) for k in keys)
-    assert peers.stats.from_backing == len(keys)
+    assert sources.served == {f"store {store.url}": len(keys)}
 
 
 def test_a_corrupt_cached_chunk_is_not_used() -> None:
     store, state = published()
-    cache = MemoryStore()
+    cache = MemoryStore("cache")
     key = catalog.primary_manifest(store, 0).chunks[0].key
     blob = bytearray(store.get(key))
     blob[len(blob) // 2] ^= 1
     cache.put(key, bytes(blob))
-    peers = PeerStore(store, lambda _k: [], SECRET, cache=cache)
+    sources = node_sources(store, HolderSource(lambda _r: [], SECRET), cache)
     target = StateDictTarget({})
-    Receiver(peers, target).sync()
+    Receiver(store, target, sources=sources).sync()
     assert all((bits(target.state[n]) == bits(t)).all() for n, t in state.items())
     assert cache.get(key) == store.get(key)  # replaced by the verified copy
 
 
-def test_it_refuses_writes() -> None:
+def test_the_manifest_view_refuses_writes() -> None:
     store, _ = published()
-    peers = PeerStore(store, lambda _k: [], SECRET)
+    view = RelayedManifests(store)
     with pytest.raises(UsageError, match="read-only"):
-        peers.put("v000000000001/manifest.json", b"{}", create_only=True)
+        view.put("v000000000001/manifest.json", b"{}", create_only=True)
     with pytest.raises(UsageError, match="read-only"):
-        peers.delete("v000000000000/manifest.json")
+        view.delete("v000000000000/manifest.json")
 
 
 def test_unreachable_peers_fall_back_to_the_store(monkeypatch: pytest.MonkeyPatch) -> None:
     store, state = published()
     monkeypatch.setenv("WEIGHTHUB_SECRET", SECRET.decode())
     # port 1 on loopback: connection refused at once; the peer is then skipped (cooldown)
-    peers = PeerStore(store, lambda _k: ["127.0.0.1:1"], load_secret())
+    holders = HolderSource(lambda _r: ["127.0.0.1:1"], load_secret())
     target = StateDictTarget({})
-    Receiver(peers, target).sync()
+    Receiver(store, target, sources=node_sources(store, holders)).sync()
     assert all((bits(target.state[n]) == bits(t)).all() for n, t in state.items())
-    assert 1 <= peers.stats.peer_failures <= 4  # the fetch threads that raced to it first
+    assert 1 <= holders.stats.benched <= 4  # the fetch threads that raced to it first
 
 
-def test_a_failing_source_list_falls_back_to_the_store() -> None:
+def test_a_failing_holder_ranking_falls_back_to_the_store() -> None:
     store, state = published()
 
-    def hub_down(_key: str) -> list[str]:
+    def hub_down(_ref: ChunkId) -> list[str]:
         raise PeerUnavailable("hub 127.0.0.1:9: no answer within 2s")
 
     target = StateDictTarget({})
-    Receiver(PeerStore(store, hub_down, SECRET), target).sync()
+    Receiver(store, target, sources=node_sources(store, HolderSource(hub_down, SECRET))).sync()
     assert all((bits(target.state[n]) == bits(t)).all() for n, t in state.items())
 
 
@@ -89,14 +100,14 @@ class _Counting(MemoryStore):
         super().__init__()
         self.metadata_reads: list[str] = []
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, **kw: float | None) -> bytes:
         if key.endswith(".json"):
             self.metadata_reads.append(key)
-        return super().get(key)
+        return super().get(key, **kw)
 
-    def children(self, prefix: str) -> list[str]:
+    def children(self, prefix: str, **kw: float | None) -> list[str]:
         self.metadata_reads.append(f"list {prefix!r}")
-        return super().children(prefix)
+        return super().children(prefix, **kw)
 
 
 def test_a_relayed_manifest_spares_every_manifest_read_and_listing_of_the_store() -> None:
@@ -105,26 +116,25 @@ def test_a_relayed_manifest_spares_every_manifest_read_and_listing_of_the_store(
     pub = Publisher(store, full_span_bytes=8 << 10)
     pub.publish(s0)
     target = StateDictTarget({})
-    peers = PeerStore(store, lambda _k: [], SECRET)
-    receiver = Receiver(peers, target)
+    view = RelayedManifests(store)
+    receiver = Receiver(view, target,
+                        sources=node_sources(store, HolderSource(lambda _r: [], SECRET)))
     receiver.sync(0)
     s1 = {"w": s0["w"].clone(), "b": s0["b"] + 1}
     s1["w"][::97] += 1
     pub.publish(s1)
     raw = store.get(catalog.rep_key(1, None, primary=True))
     store.metadata_reads.clear()
-    with peers.trusted_route({1: raw}):
+    with view.trusted_route({1: raw}):
         receiver.sync(1)
     assert all((bits(target.state[n]) == bits(t)).all() for n, t in s1.items())
-    assert store.metadata_reads == [] and peers.stats.manifests_relayed >= 1
+    assert store.metadata_reads == [] and view.relayed >= 1
     # outside the context, listings and manifests come from the store again
-    assert peers.children("") == store.children("")
+    assert view.children("") == store.children("")
+    assert view.get(catalog.rep_key(1, None, primary=True)) == raw and store.metadata_reads
 
 
 def test_a_relayed_manifest_is_trusted_only_with_the_hubs_digest() -> None:
-    from weighthub.cluster.peerstore import relayed_manifest
-    from weighthub.format import chunk_checksum
-
     store, _ = published()
     key = catalog.rep_key(0, None, primary=True)
     good = store.get(key)

@@ -1,0 +1,113 @@
+"""Relayed manifests: a one-step refit that reads nothing from the store, trusting only the hub.
+
+After a commit the publisher pushes the version's primary manifest down the relay tree (after
+its chunks). A node uses that copy only if its SHA-256 is the one the hub recorded at the
+commit (`relayed_manifest`); then, inside `RelayedManifests.trusted_route`, the manifest answers
+the Receiver's manifest read and the listings it plans its route from name only that version,
+so the refit's metadata comes from the relay and its chunks from the node's sources.
+
+`RelayedManifests` is a read-only view of the store for manifests and listings, not a chunk
+path: chunks come from the receiver's `SourceList` and are checked against these manifests.
+Outside `trusted_route` (and for every other key) it reads the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator, Mapping
+
+from .. import catalog
+from ..errors import StoreError, UsageError
+from ..format import chunk_checksum
+from ..store.base import Readable, Store
+
+log = logging.getLogger(__name__)
+
+
+class RelayedManifests:
+    """The store, read-only, whose manifests and listings relayed (hub-verified) ones may answer.
+
+    `relayed` counts the manifest reads a relayed manifest answered (for the node's stats).
+    """
+
+    def __init__(self, backing: Store) -> None:
+        self.backing = backing
+        self.url = backing.url  # what the receiver records as the version's origin
+        self.relayed = 0
+        self._lock = threading.Lock()
+        self._trusted: dict[str, bytes] = {}  # primary manifest key -> bytes (see trusted_route)
+        self._listing: dict[str, list[str]] | None = None
+
+    @contextlib.contextmanager
+    def trusted_route(self, manifests: Mapping[int, bytes]) -> Iterator[None]:
+        """Plan and stage from these verified primary manifests (version -> bytes).
+
+        The caller must have checked every one against the hub's digest for its version. Only
+        their versions are listed, so the Receiver's route is their chain of primary deltas
+        (NoSyncPath when they do not chain from what it holds: then sync without this).
+        """
+        trusted = {catalog.rep_key(v, None, primary=True): bytes(raw) for v, raw in manifests.items()}
+        listing = {"": [catalog.version_dir(v) for v in sorted(manifests)],
+                   **{catalog.version_dir(v): [catalog.PRIMARY] for v in manifests}}
+        with self._lock:
+            self._trusted, self._listing = trusted, listing
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._trusted, self._listing = {}, None
+
+    # -- reads -----------------------------------------------------------------------------------
+    def get(self, key: str, *, timeout: float | None = None) -> bytes:
+        with self._lock:
+            trusted = self._trusted.get(key)
+            if trusted is not None:
+                self.relayed += 1
+        return trusted if trusted is not None else self.backing.get(key, timeout=timeout)
+
+    def get_range(self, key: str, start: int, stop: int, *, timeout: float | None = None) -> bytes:
+        with self._lock:
+            trusted = self._trusted.get(key)
+        if trusted is not None:
+            return trusted[max(0, start):max(0, stop)]
+        return self.backing.get_range(key, start, stop, timeout=timeout)
+
+    def size(self, key: str, *, timeout: float | None = None) -> int:
+        with self._lock:
+            trusted = self._trusted.get(key)
+        return len(trusted) if trusted is not None else self.backing.size(key, timeout=timeout)
+
+    def children(self, prefix: str, *, timeout: float | None = None) -> list[str]:
+        with self._lock:
+            listed = None if self._listing is None else self._listing.get(prefix)
+        return list(listed) if listed is not None else self.backing.children(prefix, timeout=timeout)
+
+    # -- writes: refused ---------------------------------------------------------------------------
+    def put(self, key: str, data: bytes | memoryview, *, create_only: bool = False,
+            timeout: float | None = None) -> None:
+        raise UsageError(f"RelayedManifests over {self.url} is read-only (put {key!r}): "
+                         "publishers write to the backing store, or through a RelayTee")
+
+    def delete(self, key: str, *, timeout: float | None = None) -> None:
+        raise UsageError(f"RelayedManifests over {self.url} is read-only (delete {key!r}): "
+                         "delete from the backing store")
+
+
+def relayed_manifest(cache: Readable, version: int, digest: str | None, *,
+                     where: str) -> bytes | None:
+    """The primary manifest of `version` a peer relayed into `cache`, if it hashes to `digest`
+    (the SHA-256 the hub recorded at the commit); None when absent, unknown or different."""
+    if digest is None:
+        return None
+    try:
+        raw = cache.get(catalog.rep_key(version, None, primary=True))
+    except StoreError:
+        return None  # not relayed (or not yet): the store has it
+    got = chunk_checksum(raw)
+    if got != digest:
+        log.warning("%s: relayed manifest of version %d has SHA-256 %s…, the hub recorded %s…; "
+                    "ignoring it, reading the store's", where, version, got[:12], digest[:12])
+        return None
+    return raw

@@ -1,0 +1,198 @@
+"""Applying segments in place, forwards or inversely, with an exact undo log (spec §2).
+
+Every stream is validated by the kernels as they apply it (bounds, varints, counts); the
+coding itself (`coding.check_coding`) and the group table are checked here first. Arrays reach
+the kernels in one form (read-only streams, always-present digest sums), so each kernel
+compiles once per word width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from ..errors import FormatError, UsageError
+from ..tensors import DType, readonly
+from . import kernels as K
+from .coding import Op, Positions, check_coding
+from .encode import encode_gaps, width_masks
+from .segment import Segment, UndoEntry, UndoLog, check_status
+
+_NO_SUM = np.zeros(0, np.uint64)  # a digest sum not wanted (the kernels test its length)
+
+
+def _read_varint(buf: np.ndarray, i: int, where: str) -> tuple[int, int]:
+    v, shift = 0, 0
+    while True:
+        if i >= buf.size or shift > 63:
+            raise FormatError(f"{where}: corrupt group table")
+        c = int(buf[i])
+        i += 1
+        v |= (c & 0x7F) << shift
+        if c < 0x80:
+            return v, i
+        shift += 7
+
+
+def _group_table(seg: Segment, dtype: DType, where: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """The group table of a GROUPS position stream: (keys, counts, offset of the rank gaps).
+
+    Parsed in Python (it is tiny): varint ngroups, then (key, count) pairs, keys strictly
+    increasing and each count ≥ 1, as writers emit them (spec §2).
+    """
+    buf = seg.pos_bytes
+    ngroups, i = _read_varint(buf, 0, where)
+    if ngroups > dtype.exponent_mask + 1:
+        raise FormatError(f"{where}: {ngroups} position groups, at most {dtype.exponent_mask + 1}")
+    head = []
+    for _ in range(2 * ngroups):
+        v, i = _read_varint(buf, i, where)
+        head.append(v)
+    keys = np.asarray(head[0::2], np.int64)
+    counts = np.asarray(head[1::2], np.int64)
+    if (keys > dtype.exponent_mask).any() or (np.diff(keys) <= 0).any():
+        raise FormatError(f"{where}: group keys out of range, repeated or not increasing")
+    if (counts < 1).any():
+        raise FormatError(f"{where}: a position group with no changes")
+    if int(counts.sum()) != seg.count:
+        raise FormatError(f"{where}: group counts sum to {int(counts.sum())}, header says {seg.count}")
+    return keys, counts, i
+
+
+def _check_sparse(seg: Segment, dtype: DType, words: np.ndarray, where: str) -> None:
+    if words.size != seg.numel or words.dtype != dtype.uint:
+        raise UsageError(f"{where}: {words.dtype}[{words.size}] words for a segment of "
+                         f"{seg.numel} {dtype.name} elements")
+    check_coding(seg.op, seg.positions, seg.values, where, is_float=dtype.is_float)
+    if not 0 <= seg.count <= seg.numel:
+        raise FormatError(f"{where}: {seg.count} changes in a range of {seg.numel} elements")
+
+
+def regap_segment(seg: Segment, base: np.ndarray, dtype: DType, where: str) -> Segment:
+    """The same segment with exponent-grouped positions re-coded as plain gaps.
+
+    Grouped positions are smaller on the wire but decode at ~1 GB/s because every element's
+    old exponent must be read; plain gaps apply at several GB/s. A receiver calls this while
+    staging, with `base` = the bits it holds now (read only), so the pause runs the fast kernel.
+    The result applies only to exactly those base bits (a different base fails its digests).
+
+    Raises:
+        UsageError: `base` is not the segment's range in the dtype's words.
+        FormatError: a coding the format forbids, or a corrupt group table or stream.
+    """
+    if seg.positions != Positions.GROUPS:
+        return seg
+    _check_sparse(seg, dtype, base, where)
+    keys, counts, offset = _group_table(seg, dtype, where)
+    pos = np.empty(seg.count, np.int64)
+    status = K.decode_group_positions(readonly(base), dtype.exponent_shift,
+                                      np.uint64(dtype.exponent_mask), keys, counts,
+                                      readonly(seg.pos_bytes[offset:]), seg.count, pos)
+    check_status(status, where)
+    return replace(seg, positions=Positions.GAPS, pos_bytes=encode_gaps(pos))
+
+
+def bitmap_positions(seg: Segment, where: str) -> np.ndarray:
+    """The int64 positions of a bitmap-coded segment (spec §2), checked against its header.
+
+    Raises FormatError for a bitmap of the wrong size, set padding bits or a popcount other
+    than the segment's count.
+    """
+    n = seg.numel
+    if seg.pos_bytes.size != (n + 7) // 8:
+        raise FormatError(f"{where}: bitmap of {seg.pos_bytes.size} bytes for {n} elements")
+    if n % 8 and int(seg.pos_bytes[-1]) >> (n % 8):
+        raise FormatError(f"{where}: bitmap padding bits past element {n} are set")
+    pos = np.flatnonzero(np.unpackbits(seg.pos_bytes, count=n, bitorder="little"))
+    if pos.size != seg.count:
+        raise FormatError(f"{where}: bitmap has {pos.size} positions, header says {seg.count}")
+    return pos.astype(np.int64, copy=False)
+
+
+def _sum(out: np.ndarray | None) -> np.ndarray:
+    return _NO_SUM if out is None else out
+
+
+def apply_segment(seg: Segment, dst: np.ndarray, dtype: DType, undo: UndoLog,
+                  where: str, *, dnew: np.ndarray | None = None,
+                  dold: np.ndarray | None = None, inverse: bool = False) -> UndoEntry | None:
+    """Apply a segment in place to dst (the bits of exactly [seg.start, seg.stop)).
+
+    Every element changed is recorded in `undo` before a FormatError (corrupt streams) is
+    raised, so the caller's rollback restores dst exactly. Returns the entry recorded (None for
+    a dense segment into a fresh destination, which records nothing).
+
+    dnew / dold (uint64[2] or None): on success, the digest lanes (format/spec.md §4) of the
+    words written / the words they replaced are added to them, computed in the same pass
+    (kernels.py: the words are not read back).
+
+    inverse: undo the segment instead: dst holds the words it produced and gets back the words
+    it was encoded against (xor: the same XOR; add: the difference subtracted).
+
+    Raises:
+        UsageError: dst is not the segment's range in the dtype's words.
+        FormatError: a coding the format forbids (`coding.check_coding`), a segment that is
+            not `invertible` with inverse=True (both before touching dst), or corrupt streams.
+    """
+    if dst.size != seg.numel or dst.dtype != dtype.uint:
+        raise UsageError(f"{where}: destination {dst.dtype}[{dst.size}] for {seg.numel} "
+                         f"{dtype.name} elements")
+    check_coding(seg.op, seg.positions, seg.values, where, is_float=dtype.is_float)
+    op = int(seg.op)
+    if inverse:
+        if not seg.invertible:
+            raise FormatError(f"{where}: a {seg.op.name.lower()}/{seg.positions.name.lower()} "
+                              "segment cannot be applied inversely (only xor/add with gaps or "
+                              "bitmap positions can)")
+        op = K.OP_SUB if seg.op == Op.ADD else op
+    if seg.op == Op.DENSE:
+        return _apply_dense(seg, dst, dtype, undo, where, dnew, dold)
+    _check_sparse(seg, dtype, dst, where)
+    mask, _ = width_masks(dtype)
+    undo_pos = np.empty(seg.count, np.int64)
+    undo_val = np.empty(seg.count, dtype.uint)
+    vals = readonly(seg.val_bytes)
+    if seg.positions == Positions.GAPS:
+        status, done = K.apply_gap_stream(dst, readonly(seg.pos_bytes), op, int(seg.values),
+                                          vals, seg.count, mask, undo_pos, undo_val, seg.start,
+                                          _sum(dnew), _sum(dold))
+    elif seg.positions == Positions.GROUPS:
+        keys, counts, offset = _group_table(seg, dtype, where)
+        status, done = K.apply_group_stream(
+            dst, dtype.exponent_shift, np.uint64(dtype.exponent_mask), keys, counts,
+            readonly(seg.pos_bytes[offset:]), op, int(seg.values), vals, seg.count, mask,
+            undo_pos, undo_val, seg.start, _sum(dnew), _sum(dold))
+    else:  # BITMAP (check_coding refused ALL)
+        pos = bitmap_positions(seg, where)
+        status, done = K.apply_positions(dst, readonly(pos), op, int(seg.values), vals,
+                                         seg.count, mask, undo_pos, undo_val, seg.start,
+                                         _sum(dnew), _sum(dold))
+    entry = UndoEntry(dst, undo_pos, undo_val, int(done))
+    undo.entries.append(entry)
+    check_status(status, where)
+    return entry
+
+
+def _apply_dense(seg: Segment, dst: np.ndarray, dtype: DType, undo: UndoLog, where: str,
+                 dnew: np.ndarray | None, dold: np.ndarray | None) -> UndoEntry | None:
+    if seg.count != seg.numel or seg.pos_bytes.size:
+        raise FormatError(f"{where}: a dense segment of {seg.numel} elements with count "
+                          f"{seg.count} and {seg.pos_bytes.size} position bytes (must be "
+                          f"{seg.numel} and 0)")
+    if seg.val_bytes.size != seg.numel * dtype.width:
+        raise FormatError(f"{where}: dense segment has {seg.val_bytes.size} bytes, "
+                          f"expected {seg.numel * dtype.width}")
+    src = seg.val_bytes.view(dtype.uint)
+    if dnew is None and dold is None:
+        entry = None if undo.fresh else UndoEntry(dst, None, dst.copy(), 0)
+        if entry is not None:
+            undo.entries.append(entry)
+        np.copyto(dst, src)
+        return entry
+    entry = None if undo.fresh else UndoEntry(dst, None, np.empty_like(dst), 0)
+    if entry is not None:
+        undo.entries.append(entry)
+    K.copy_words(dst, readonly(src), np.empty(0, dtype.uint) if entry is None else entry.old,
+                 seg.start, _sum(dnew), _sum(dold))
+    return entry

@@ -1,0 +1,46 @@
+"""Linear tensor digests (format/spec.md §4), in one place.
+
+    mix.py      the per-element mixers (numba, inlined into every kernel that digests words,
+                the codec's apply kernels included)
+    kernels.py  host loops: runs, strided blocks, changes, scattered positions
+    linear.py   the public digest math on host words: whole tensors, affine shards, changes
+    sums.py     digest values and their algebra (16 bytes: two u64 lanes), no numba
+    root.py     the root digest over a version's tensor table
+
+Device (CUDA) kernels will sit beside the host ones and must produce the same bytes.
+
+`sums` and `root` load with the package; `linear` (numba) on first use of one of its names, so
+that reading manifests (`weighthub inspect`) does not pay numba's import.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..lazy import lazy_exports
+from .root import root_digest
+from .sums import DIGEST_BYTES, ZERO_DIGEST, digest_add, digest_sub, lanes_digest
+
+if TYPE_CHECKING:
+    from .linear import as_words, digest_affine, digest_at, digest_bits, digest_change, tensor_digest
+
+_FROM_LINEAR = frozenset({
+    "as_words", "digest_affine", "digest_at", "digest_bits", "digest_change", "tensor_digest",
+})
+
+__getattr__ = lazy_exports(globals(), {"linear": _FROM_LINEAR})
+
+__all__ = [
+    "DIGEST_BYTES",
+    "ZERO_DIGEST",
+    "as_words",
+    "digest_add",
+    "digest_affine",
+    "digest_at",
+    "digest_bits",
+    "digest_change",
+    "digest_sub",
+    "lanes_digest",
+    "root_digest",
+    "tensor_digest",
+]

@@ -1,0 +1,49 @@
+"""Digest values and their algebra (format/spec.md §4), without numba: plain bytes arithmetic.
+
+A digest is 16 bytes: two little-endian u64 lanes, S0 then S1, each Σ_i mix(i, w_i) mod 2^64
+over a set of elements (canonical flat index i, bit pattern w_i). Sums compose: the digests of
+disjoint sets of elements add lane-wise, and an update adds the difference of what it rewrote.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import UsageError
+
+DIGEST_BYTES = 16
+ZERO_DIGEST = bytes(DIGEST_BYTES)  # the digest of nothing; the start of every sum
+_M64 = (1 << 64) - 1
+
+
+def lanes_digest(lanes: np.ndarray) -> bytes:
+    """The digest bytes of the two uint64 lane sums (S0, S1) a kernel accumulated."""
+    return lanes.astype("<u8").tobytes()
+
+
+def _unpack(d: bytes) -> tuple[int, int]:
+    if len(d) != DIGEST_BYTES:
+        raise UsageError(f"a digest is {DIGEST_BYTES} bytes, got {len(d)}")
+    return int.from_bytes(d[:8], "little"), int.from_bytes(d[8:], "little")
+
+
+def _pack(s0: int, s1: int) -> bytes:
+    return (s0 & _M64).to_bytes(8, "little") + (s1 & _M64).to_bytes(8, "little")
+
+
+def digest_add(a: bytes, b: bytes) -> bytes:
+    """a + b, lane-wise mod 2^64: the digest of two disjoint sets of elements together.
+
+    Raises UsageError if either is not 16 bytes.
+    """
+    (a0, a1), (b0, b1) = _unpack(a), _unpack(b)
+    return _pack(a0 + b0, a1 + b1)
+
+
+def digest_sub(a: bytes, b: bytes) -> bytes:
+    """a − b, lane-wise mod 2^64: remove the contribution b from a.
+
+    Raises UsageError if either is not 16 bytes.
+    """
+    (a0, a1), (b0, b1) = _unpack(a), _unpack(b)
+    return _pack(a0 - b0, a1 - b1)

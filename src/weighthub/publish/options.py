@@ -1,0 +1,96 @@
+"""Publisher options, checked once, when a publisher is made.
+
+Both `Publisher` and `ShardedPublisher` take the same options (the single process is the
+world-size-1 case of the group); every check lives here, so a bad value is refused before any
+store is touched, with the option's name, its value and what to pass instead.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+from ..chunking import MIN_SPAN
+from ..codec import EncodePolicy
+from ..errors import UsageError
+
+DELTA_SPAN_BYTES = 32 << 20  # dense bytes per delta chunk (≈0.1-1 MiB on the wire at RL rates)
+FULL_SPAN_BYTES = 16 << 20  # dense bytes per full chunk (≈12 MiB on the wire)
+
+
+@dataclass(frozen=True, slots=True)
+class PublishOptions:
+    """What a publisher writes besides the primary representation, and how it streams it.
+
+    Args:
+        anchor_every: also write a full representation every K versions, so newcomers need not
+            replay the whole chain (0: only the first version is full).
+        skip_every: also write a skip delta (v-K → v) every K versions, for receivers that fall
+            behind (0: off). Keeps one more baseline copy in memory.
+        retain: keep this many newest versions (older ones are deleted after each commit, but
+            never the newest anchor); 0 keeps everything.
+        policy: which ops and codings the encoder may choose.
+        workers: encoder threads (per rank); at most `2 × workers` encoded chunks are in memory.
+        delta_span_bytes / full_span_bytes: dense bytes a delta / full chunk covers.
+
+    Raises:
+        UsageError: a negative interval, no worker, a span below the minimum, or a retention
+            shorter than the anchor interval (receivers could be left without a route).
+    """
+
+    anchor_every: int = 16
+    skip_every: int = 0
+    retain: int = 0
+    policy: EncodePolicy = field(default_factory=EncodePolicy)
+    workers: int = 2
+    delta_span_bytes: int = DELTA_SPAN_BYTES
+    full_span_bytes: int = FULL_SPAN_BYTES
+
+    def __post_init__(self) -> None:
+        for name, meaning in (("anchor_every", "0 writes only the first version full"),
+                              ("skip_every", "0 writes no skip deltas"),
+                              ("retain", "0 keeps every version")):
+            value = _integer(getattr(self, name))
+            if value is None or value < 0:
+                raise UsageError(f"publisher option {name}={getattr(self, name)!r} is not a count "
+                                 f"of versions: pass an integer >= 0 ({meaning})")
+        workers = _integer(self.workers)
+        if workers is None or workers < 1:
+            raise UsageError(f"publisher option workers={self.workers!r}: pass at least 1 "
+                             "encoder thread")
+        for name in ("delta_span_bytes", "full_span_bytes"):
+            value = _integer(getattr(self, name))
+            if value is None or value < MIN_SPAN:
+                raise UsageError(f"publisher option {name}={getattr(self, name)!r} is below the "
+                                 f"minimum chunk span of {MIN_SPAN} bytes: pass a larger span")
+        if self.retain and self.anchor_every and self.retain < self.anchor_every:
+            raise UsageError(f"retain={self.retain} is shorter than anchor_every="
+                             f"{self.anchor_every}: receivers could be left with no path; raise "
+                             "retain")
+        if not isinstance(self.policy, EncodePolicy):
+            raise UsageError(f"publisher option policy={self.policy!r} is not an EncodePolicy: "
+                             "pass one (weighthub.codec.EncodePolicy or an ENCODE_PROFILES entry)")
+
+    def is_anchor(self, version: int) -> bool:
+        """Does `version` get a full representation besides its delta?"""
+        return version > 0 and self.anchor_every > 0 and version % self.anchor_every == 0
+
+    def is_skip_point(self, version: int) -> bool:
+        """Is `version` a skip point (it gets a skip delta, and later ones start from it)?"""
+        return self.skip_every > 0 and version % self.skip_every == 0
+
+
+def check_committer(committer: int, world: int) -> None:
+    """Raise UsageError unless `committer` is a rank of a group of `world` ranks."""
+    rank = _integer(committer)
+    if rank is None or not 0 <= rank < world:
+        raise UsageError(f"committer {committer!r} is not a rank of the group (size {world}): "
+                         f"pass a rank in 0..{world - 1}")
+
+
+def _integer(value: object) -> int | None:
+    """`value` as an int if it is an integer of any kind (int, numpy integer), else None."""
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None

@@ -1,0 +1,84 @@
+"""What a rank holds: each canonical tensor's local shard, its box and its bits.
+
+A DTensor's box comes from its placements; a plain tensor's from `shard_map`; in a single
+process (`whole=True`) a plain tensor is the whole canonical tensor. Only this rank's own shard
+is ever copied (to the host, when it lives on a device); nothing is gathered.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import PlacementError, UsageError
+from ..layout import ShardBox
+from ..tensors import TensorSpec, bits, dtype_of
+
+Table = list[tuple[str, str, tuple[int, ...]]]  # (name, dtype, global shape), name order
+
+
+@dataclass(slots=True)
+class Shard:
+    """One canonical tensor as this rank holds it."""
+
+    index: int  # position in the canonical (name-ordered) tensor table
+    spec: TensorSpec  # the canonical tensor
+    box: ShardBox
+    new: np.ndarray  # flat local bits (a view of the local tensor when it is contiguous)
+
+    @property
+    def published(self) -> bool:
+        """Does this rank write chunks (and digest contributions) for the tensor?"""
+        return self.box.primary and self.box.numel > 0
+
+
+def resolve(state: Mapping[str, torch.Tensor], shard_map: Mapping[str, ShardBox] | None, *,
+            whole: bool) -> tuple[dict[str, Shard], Table]:
+    """This rank's shards of `state` and the tensor table they claim, in name order.
+
+    Args:
+        whole: a plain tensor without a shard_map entry is the whole tensor (a single process).
+
+    Raises:
+        UsageError: shard_map names a tensor not in the state, or a dtype weighthub does not carry.
+        PlacementError: a plain tensor without a box (in a group), a local shard whose shape is
+            not its box's, or a DTensor placement weighthub cannot map.
+    """
+    shard_map = shard_map or {}
+    unknown = sorted(set(shard_map) - set(state))
+    if unknown:
+        raise UsageError(f"shard_map names tensors not in the state: {unknown[:5]}")
+    # a DTensor's class is loaded only if someone made one: plain publishers skip its import
+    dtensor_mod = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(dtensor_mod, "DTensor", None)
+    shards: dict[str, Shard] = {}
+    table: Table = []
+    for name in sorted(state):
+        t = state[name]
+        if dtensor is not None and isinstance(t, dtensor):
+            from ..layout.dtensor import dtensor_box
+
+            box = dtensor_box(name, t)
+            local = t.to_local().detach()
+        elif name in shard_map:
+            box, local = shard_map[name], t.detach()
+        elif whole:
+            shape = tuple(t.shape)
+            box, local = ShardBox(shape, (0,) * len(shape), shape), t.detach()
+        else:
+            raise PlacementError(f"tensor {name!r} is a plain tensor with no entry in "
+                                 "shard_map: pass its ShardBox (or a DTensor)")
+        if tuple(local.shape) != box.shape:
+            raise PlacementError(f"tensor {name!r}: local shard has shape {list(local.shape)}, "
+                                 f"its box says {list(box.shape)}")
+        if local.device.type != "cpu":
+            local = local.cpu()  # only this rank's own shard is copied
+        dtype = dtype_of(local)
+        spec = TensorSpec(name, dtype, box.global_shape)
+        table.append((name, dtype.name, box.global_shape))
+        shards[name] = Shard(-1, spec, box, bits(local))
+    return shards, table

@@ -1,0 +1,215 @@
+"""Step 2 of a publish: the bounded encode → put stream of one representation.
+
+A rank cuts its shards into chunks of pieces (`layout.plan_pieces`; a whole tensor is one
+piece run, so a single process tiles exactly as `chunking.tile` does), encodes each chunk on
+a small thread pool (the codec kernels and zstd release the GIL) and puts it to the store as
+soon as it is ready, while later chunks are still encoding, with at most `2 × workers` encoded
+chunks in memory. Along the way it sums its digest contributions: the baseline's plus each
+segment's change (from nothing for a full representation), so a delta costs O(changed) in
+digests too. An extra representation of a committed version (anchor, skip delta) knows its
+digests already and computes none.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar, cast
+
+import numpy as np
+
+from ..codec import EncodePolicy, Segment
+from ..codec.encode import (
+    changed_positions,
+    encode_changes,
+    encode_segment,
+    encode_segment_tracked,
+)
+from ..digest import ZERO_DIGEST, digest_add, digest_affine, digest_change
+from ..format import ChunkRef, chunk_checksum, encode_chunk
+from ..layout import Piece, plan_pieces
+from ..store import Store
+from .baseline import Baseline
+from .group import Failure
+from .shards import Shard
+
+_T = TypeVar("_T")
+
+
+@dataclass(slots=True)
+class Written:
+    """What a rank wrote of one representation (or why it could not); gathered at the commit."""
+
+    rank: int
+    failure: Failure | None = None
+    refs: list[ChunkRef] = field(default_factory=list)
+    changed: dict[str, int] = field(default_factory=dict)
+    ops: dict[str, set[str]] = field(default_factory=dict)
+    digests: dict[str, bytes] = field(default_factory=dict)  # contributions at the new version
+    # this rank's timing (busy seconds summed over threads; the phase's wall time)
+    encode_seconds: float = 0.0
+    upload_seconds: float = 0.0
+    stream_seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """Where and how one rank streams one representation.
+
+    prefix: the representation's chunk directory (`v…/full-<token>`); chunk i is
+        `{prefix}/{leaf}c{i:06d}.whc`, `leaf` naming the rank in a group (`r00001-`).
+    boxed: tensors covered by boxes (some rank holds them strided).
+    track: sum digest contributions (False for an extra representation of a committed version).
+    """
+
+    store: Store
+    prefix: str
+    leaf: str
+    policy: EncodePolicy
+    workers: int
+    span_bytes: int
+    boxed: frozenset[int]
+    track: bool = True
+
+
+def write_chunks(stream: Stream, shards: dict[str, Shard], base: Baseline | None, out: Written,
+                 keys: list[str]) -> None:
+    """Encode and put this rank's chunks of one representation (a delta from `base`, or full).
+
+    Fills `out` (refs in chunk order, change counts, ops, digest contributions, timing) and
+    appends every key put to `keys` as it goes, so a caller can delete them on failure.
+    """
+    mine = [s for s in shards.values() if s.published]
+    chunks = plan_pieces([(s.index, s.spec.dtype.width, s.box) for s in mine], stream.span_bytes,
+                         boxed=stream.boxed)
+    by_index = {s.index: s for s in mine}
+    lock = threading.Lock()
+
+    def encode(i: int, pieces: list[Piece]) -> tuple[ChunkRef, list[Segment], list[tuple[int, bytes]]]:
+        t0 = time.perf_counter()
+        segments: list[Segment] = []
+        changes: list[tuple[int, bytes]] = []
+        covers: list[tuple[int, int, int]] = []
+        boxes: list[tuple[int, list[int], list[int]]] = []
+        for piece in pieces:
+            shard = by_index[piece.tensor]
+            old = None if base is None else base.bits[shard.spec.name]
+            if piece.tensor in stream.boxed:
+                segs, change = encode_box_piece(piece, shard, old, stream.policy, stream.track)
+                offset, shape = piece.region()
+                boxes.append((piece.tensor, list(offset), list(shape)))
+            else:
+                segs, change = encode_piece(piece, shard, old, stream.policy, stream.track)
+                covers += piece.covers()
+            segments += segs
+            changes.append((piece.tensor, change))
+        frame = encode_chunk(segments)
+        key = f"{stream.prefix}/{stream.leaf}c{i:06d}.whc"
+        with lock:
+            keys.append(key)
+        t1 = time.perf_counter()
+        stream.store.put(key, frame)  # streamed out while later chunks are still encoding
+        t2 = time.perf_counter()
+        with lock:
+            out.encode_seconds += t1 - t0
+            out.upload_seconds += t2 - t1
+        return ChunkRef(key, len(frame), chunk_checksum(frame), covers, boxes), segments, changes
+
+    # a delta adds the effect of its changes to the committed contributions; a full
+    # representation starts from nothing and adds every run's words
+    digests = {s.spec.name: ZERO_DIGEST if base is None else base.digests[s.spec.name]
+               for s in mine}
+    t_start = time.perf_counter()
+    with ThreadPoolExecutor(stream.workers) as pool:
+        for ref, segments, changes in bounded_map(pool, encode, list(enumerate(chunks)),
+                                                  2 * stream.workers):
+            out.refs.append(ref)
+            for seg in segments:
+                name = by_index[seg.tensor].spec.name
+                out.changed[name] = out.changed.get(name, 0) + seg.count
+                out.ops.setdefault(name, set()).add(
+                    f"{seg.op.name}/{seg.positions.name}/{seg.values.name}".lower())
+            if stream.track:
+                for ti, change in changes:
+                    name = by_index[ti].spec.name
+                    digests[name] = digest_add(digests[name], change)
+    out.stream_seconds = time.perf_counter() - t_start
+    if stream.track:
+        out.digests = digests
+
+
+def bounded_map(pool: ThreadPoolExecutor, fn: Callable[[int, list[Piece]], _T],
+                items: list[tuple[int, list[Piece]]], depth: int) -> Iterator[_T]:
+    """pool.map, in order, with at most `depth` results in flight (each holds an encoded chunk)."""
+    pending: list[Future[_T]] = []
+    try:
+        for i, pieces in items:
+            pending.append(pool.submit(fn, i, pieces))
+            while len(pending) >= depth:
+                yield pending.pop(0).result()
+        while pending:
+            yield pending.pop(0).result()
+    finally:
+        for f in pending:
+            f.cancel()
+
+
+def encode_piece(piece: Piece, shard: Shard, old: np.ndarray | None, policy: EncodePolicy,
+                 track: bool) -> tuple[list[Segment], bytes]:
+    """Segments of one piece, one per canonical run that changed, and its digest change.
+
+    Each run is contiguous in canonical order, so a run's segment (and its digest change) is
+    exactly what a single process encodes for that flat range. Without a base, every run is a
+    dense segment and the change is the runs' whole contribution.
+    """
+    segments: list[Segment] = []
+    change = ZERO_DIGEST
+    for run in piece.runs():
+        before = None if old is None else old[run.lo:run.hi]
+        if track:
+            seg, d = encode_segment_tracked(before, shard.new[run.lo:run.hi], shard.spec.dtype,
+                                            tensor=piece.tensor, start=run.start, policy=policy)
+            change = digest_add(change, d)
+        else:
+            seg = encode_segment(before, shard.new[run.lo:run.hi], shard.spec.dtype,
+                                 tensor=piece.tensor, start=run.start, policy=policy)
+        if seg is not None:
+            segments.append(seg)
+    return segments, change
+
+
+def encode_box_piece(piece: Piece, shard: Shard, old: np.ndarray | None, policy: EncodePolicy,
+                     track: bool) -> tuple[list[Segment], bytes]:
+    """Segments of a piece that is a box of a strided shard, and its digest change.
+
+    A delta is one sparse segment over the box's flat bounding range, its positions the changed
+    elements' canonical ones (they skip the other ranks' elements in between), or one dense
+    segment per run when that is smaller. Without a base: dense runs, and the digest of the
+    box's words placed by its affine map (one pass, no copy).
+    """
+    box = piece.sub_box()
+    new = shard.new[piece.lo:piece.hi]
+
+    def dense() -> list[Segment]:
+        return [cast(Segment, encode_segment(None, new[r.lo - piece.lo:r.hi - piece.lo],
+                                             shard.spec.dtype, tensor=piece.tensor, start=r.start))
+                for r in piece.runs()]
+
+    start, stop = box.span
+    if old is None:
+        change = digest_affine(new.reshape(box.shape), start, box.strides, threads=1) if track \
+            else ZERO_DIGEST
+        return dense(), change
+    before = old[piece.lo:piece.hi]
+    local = changed_positions(before, new)
+    if local.size == 0:
+        return [], ZERO_DIGEST
+    pos = box.canonical(local) - start  # increasing: row-major order is kept by the box map
+    was, now = before[local], new[local]
+    change = digest_change(pos, was, now, first=start) if track else ZERO_DIGEST
+    seg = encode_changes(pos, was, now, shard.spec.dtype, tensor=piece.tensor, start=start,
+                         stop=stop, dense_numel=box.numel, policy=policy)
+    return ([seg] if seg is not None else dense()), change

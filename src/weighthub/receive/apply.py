@@ -1,0 +1,142 @@
+"""Apply a step's chunks in place, recording every old word in the undo log.
+
+Chunks cover disjoint ranges, so they apply in parallel on `workers` threads (the kernels
+release the GIL). With incremental verification each chunk's digest change is taken by the
+thread that just applied it (see `apply_step`). Every job finishes before an error propagates,
+so a rollback never races an apply.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..codec import UndoLog, apply_segment
+from ..digest import digest_affine, digest_sub, lanes_digest
+from ..errors import PlacementError
+from ..layout import ShardBox
+from .inputs import Chunk, Step
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """What a step changed: (tensor index, digest change) pairs, and the busy seconds of apply
+    and of digest work summed over the threads (for the pause's bookkeeping)."""
+
+    changes: list[tuple[int, bytes]]
+    busy_apply: float
+    busy_verify: float
+
+
+def apply_step(step: Step, views: dict[str, np.ndarray], alias: dict[str, str], undo: UndoLog,
+               touched: set[int], *, incremental: bool, where: str, workers: int) -> Applied:
+    """Apply every chunk of `step` in place; returns its digest changes (incremental only).
+
+    A full representation's change is the digest of each range written (from nothing), read
+    back after the chunk. A delta's is, per segment, Σ mix(new) − mix(old) over the elements
+    it rewrote, folded in by the apply kernel as it writes each word (so it counts as apply
+    time): mix(new) always, mix(old) unless it was staged from the held bits before the
+    pause. Measured on 2 cores at 2% changed, folding costs ~0.2x the apply where reading
+    the new words back after it cost ~1x, and folding the old half in the pause ~0.25x
+    (staging it costs more CPU, ~1.2x, but outside the pause). Not re-reading memory is safe
+    because `check_disjoint` refused targets whose views partly overlap. `alias`: the views'
+    unique_views. `where`: prefix of chunk names in messages (the store's url).
+    `touched` receives the index of every tensor the step wrote.
+    """
+    m = step.manifest
+    specs = m.specs()
+    touched.update(i for i, s in enumerate(specs) if alias[s.name] != s.name)  # verify aliases
+    full = step.full
+
+    def apply_chunk(chunk: Chunk) -> tuple[list[tuple[int, bytes]], float, float]:
+        t0 = time.thread_time()
+        fold = incremental and not full
+        olds = chunk.olds if chunk.olds is not None else [None] * len(chunk.frame.segments)
+        changes: list[tuple[int, bytes]] = []
+        for seg, seg_old in zip(chunk.frame.segments, olds, strict=True):
+            spec = specs[seg.tensor]
+            if alias[spec.name] != spec.name:
+                continue  # tied to an earlier name: its bits change through that one
+            dst = views[spec.name][seg.start: seg.stop]
+            dnew = np.zeros(2, np.uint64) if fold else None
+            dold = np.zeros(2, np.uint64) if fold and seg_old is None else None
+            apply_segment(seg, dst, spec.dtype, undo, f"{where}/{chunk.ref.key}",
+                          dnew=dnew, dold=dold, inverse=step.inverse)
+            if dnew is not None:
+                before = seg_old if dold is None else lanes_digest(dold)
+                changes.append((seg.tensor, digest_sub(lanes_digest(dnew), before or b"")))
+            touched.add(seg.tensor)
+        ref = chunk.ref
+        if full:
+            touched.update(ti for ti, _s, _e in ref.covers)
+            touched.update(ti for ti, _o, _s in ref.boxes)
+        t1 = time.thread_time()
+        if incremental and full:
+            changes = [(ti, digest_affine(views[specs[ti].name][a:b], a, (1,), threads=1))
+                       for ti, a, b in ref.covers if alias[specs[ti].name] == specs[ti].name]
+            for ti, offset, shape in ref.boxes:  # a box: its strided view, placed, no copy
+                if alias[specs[ti].name] == specs[ti].name:
+                    box = ShardBox(specs[ti].shape, tuple(offset), tuple(shape))
+                    block = views[specs[ti].name].reshape(specs[ti].shape)[box.slices]
+                    changes.append((ti, digest_affine(block, box.first, box.strides, threads=1)))
+        return changes, t1 - t0, time.thread_time() - t1
+
+    jobs: list[Future[tuple[list[tuple[int, bytes]], float, float]]] = []
+    failed = threading.Event()
+    with ThreadPoolExecutor(workers) as pool:
+        try:
+            for chunk in step.chunks:  # a stream (join) is applied as it arrives
+                if failed.is_set():
+                    break  # a chunk failed: stop pulling from the stream, roll back
+                job = pool.submit(apply_chunk, chunk)
+                job.add_done_callback(lambda j: failed.set() if j.exception() else None)
+                jobs.append(job)
+        finally:
+            wait(jobs)
+    done = [job.result() for job in jobs]
+    return Applied([c for d in done for c in d[0]], sum(d[1] for d in done),
+                   sum(d[2] for d in done))
+
+
+def check_disjoint(views: dict[str, np.ndarray], alias: dict[str, str]) -> None:
+    """Refuse a target whose writable views partly overlap in memory.
+
+    Exact aliases (tied weights) are fine: unique_views applies through one name only. A partial
+    overlap is not: writes through one name would change another's words behind the digests,
+    which the apply kernels compute from what they write without re-reading memory, and chunks
+    applying in parallel could race on the shared words. One sort of the views' byte extents;
+    extents that intersect (strided views can interleave without sharing a byte) are decided by
+    np.shares_memory, bounded, and a pair it cannot decide counts as overlapping. `alias`: the
+    views' unique_views. ~2 µs a view (1236 views: 2.5 ms).
+    """
+    spans = sorted((*_byte_extent(views[name]), name) for name, first in alias.items()
+                   if first == name and views[name].size)
+    open_: list[tuple[int, str]] = []  # (end, name) of extents still reaching past the cursor
+    for lo, hi, name in spans:
+        open_ = [(end, other) for end, other in open_ if end > lo]
+        for _end, other in open_:
+            try:
+                shared = np.shares_memory(views[name], views[other], max_work=1 << 16)
+            except np.exceptions.TooHardError:
+                shared = True
+            if shared:
+                raise PlacementError(f"the target's tensors {other!r} and {name!r} partly share "
+                                     "memory (neither is an exact alias of the other): weighthub "
+                                     "cannot update one without the other; give each tensor its "
+                                     "own storage, or tie them as exact aliases")
+        open_.append((hi, name))
+
+
+def _byte_extent(v: np.ndarray) -> tuple[int, int]:
+    """[first, last + 1) byte addresses an array's elements occupy."""
+    lo = hi = v.ctypes.data
+    if v.flags.c_contiguous:
+        return lo, lo + v.nbytes
+    for n, st in zip(v.shape, v.strides, strict=True):
+        lo += min(0, (n - 1) * st)
+        hi += max(0, (n - 1) * st)
+    return lo, hi + v.itemsize

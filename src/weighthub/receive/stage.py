@@ -1,0 +1,128 @@
+"""Stage a route: fetch its chunks through the sources, check and decode them, off the pause.
+
+Every chunk is fetched through `SourceList.fetch` (which checks size and SHA-256 against the
+manifest once, and fails over between sources), parsed and validated (`decode_chunk`), and its
+segments checked to lie inside the coverage the manifest gives the chunk. The first step of a
+route applies to the bits held now, so its exponent-grouped positions are decoded against them
+already (`regap`) and, for incremental verification, the digest lanes of the words it will
+replace are summed (`olds`). Nothing of the target is written.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from .. import catalog
+from ..codec import Op, Positions, Segment, regap_segment
+from ..codec.digest import staged_old_digest
+from ..errors import FormatError, ObjectNotFound
+from ..format import ChunkFrame, ChunkRef, Manifest, decode_chunk
+from ..layout import ShardBox, segment_outside
+from ..sources import ChunkId, SourceList
+from ..targets.base import Held, Target
+from ..tensors import TensorSpec
+from .inputs import Chunk, Step
+
+
+def stage_route(route: list[catalog.Rep], manifests: list[tuple[Manifest, Manifest]],
+                sources: SourceList, target: Target, held: Held | None, *, where: str,
+                incremental: bool, workers: int) -> list[Step]:
+    """Fetch, check and decode every chunk of `route` (manifests: from `routes.read_route`).
+
+    Raises:
+        ObjectNotFound (a chunk is gone: retry to re-plan), ChecksumError, FormatError.
+    """
+    jobs = [(mi, ci) for mi, (m, _e) in enumerate(manifests) for ci in range(len(m.chunks))]
+    # The first delta of the route applies to the bits held now: decode its exponent-grouped
+    # positions against them already (slow scan, off the pause), and sum the digest lanes of
+    # the words it will replace. Later deltas in a chain depend on bits that do not exist
+    # yet; they decode during apply. (An inverse step has no grouped positions: refused.)
+    first = manifests[0][0]
+    first_from = first.root if route[0].inverse else first.base_root
+    base_bits = target.peek() if held is not None and first_from == held.root else {}
+    first_specs = first.specs()
+
+    def fetch(job: tuple[int, int]) -> Chunk:
+        m = manifests[job[0]][0]
+        ref = m.chunks[job[1]]
+        name = f"chunk {where}/{ref.key}"
+        blob = sources.fetch(ChunkId.of(m, route[job[0]].key, job[1]))
+        frame = decode_chunk(blob, where=name)
+        check_segments(frame, ref, m, name, inverse=route[job[0]].inverse)
+        if job[0] != 0 or not base_bits:
+            return Chunk(frame, ref)
+        frame = ChunkFrame(tuple(regap(seg, first_specs, base_bits, name)
+                                 for seg in frame.segments))
+        olds = ([old_digest(seg, first_specs, base_bits, name) for seg in frame.segments]
+                if incremental else None)
+        return Chunk(frame, ref, olds)
+
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            chunks = list(pool.map(fetch, jobs))
+    except ObjectNotFound as exc:
+        raise ObjectNotFound(f"{exc}: the version's chunks are missing (deleted by retention "
+                             "or never written); retry to re-plan") from exc
+    steps = []
+    it = iter(chunks)
+    for r, (m, expect) in zip(route, manifests, strict=True):
+        steps.append(Step(m, [next(it) for _ in m.chunks], r.inverse, expect))
+    return steps
+
+
+def check_segments(frame: ChunkFrame, ref: ChunkRef, m: Manifest, where: str, *,
+                   inverse: bool = False) -> None:
+    """Every segment must lie inside the chunk's declared coverage (no writes elsewhere), and
+    for a delta applied inversely be invertible (the planner took the manifest's word for it).
+
+    A segment in a box (part of a trainer rank's strided shard, spec §3) spans a flat range
+    that interleaves other chunks' elements: its positions are decoded here, before anything is
+    applied, and must all lie in one of the chunk's boxes (chunks apply in parallel and roll
+    back exactly only if what they write is disjoint).
+    """
+    boxes = [(ti, ShardBox(tuple(m.tensors[ti].shape), tuple(o), tuple(s))) for ti, o, s in ref.boxes]
+    for i, seg in enumerate(frame.segments):
+        if not any(seg.tensor == ti and start <= seg.start and seg.stop <= stop
+                   for ti, start, stop in ref.covers):
+            why = [segment_outside(seg, box) for ti, box in boxes if ti == seg.tensor]
+            if None not in why:
+                raise FormatError(f"{where}: segment {i} writes tensor {seg.tensor} "
+                                  f"[{seg.start}, {seg.stop}) outside the chunk's coverage"
+                                  + (f" ({why[0]})" if why else ""))
+        if m.base is None and seg.op != Op.DENSE:
+            raise FormatError(f"{where}: a full representation may only hold dense segments")
+        if inverse and not seg.invertible:
+            name = m.tensors[seg.tensor].name if seg.tensor < len(m.tensors) else seg.tensor
+            raise FormatError(f"{where}: segment {i} of tensor {name!r} is "
+                              f"{seg.op.name.lower()}/{seg.positions.name.lower()}, which cannot "
+                              "be applied inversely, though the manifest lists only invertible ops "
+                              "for it: the manifest misstates its chunks; nothing applied")
+    if m.base is None:
+        total = sum(seg.numel for seg in frame.segments)
+        need = (sum(stop - start for _t, start, stop in ref.covers)
+                + sum(box.numel for _t, box in boxes))
+        if total != need:
+            raise FormatError(f"{where}: full chunk carries {total} of {need} covered elements")
+
+
+def regap(seg: Segment, specs: list[TensorSpec], base_bits: dict[str, np.ndarray],
+          where: str) -> Segment:
+    """Decode a segment's exponent-grouped positions against the held bits (before the pause)."""
+    spec = specs[seg.tensor]
+    base = base_bits.get(spec.name)
+    if seg.positions != Positions.GROUPS or base is None or base.dtype != spec.dtype.uint \
+            or base.size != spec.numel:
+        return seg  # nothing to do, or a mismatch the apply step reports properly
+    return regap_segment(seg, base[seg.start: seg.stop], spec.dtype, where)
+
+
+def old_digest(seg: Segment, specs: list[TensorSpec], base_bits: dict[str, np.ndarray],
+               where: str) -> bytes | None:
+    """Σ mix(i, held word) over the words `seg` will rewrite (None: left to the apply)."""
+    spec = specs[seg.tensor] if seg.tensor < len(specs) else None
+    base = base_bits.get(spec.name) if spec is not None else None
+    if spec is None or base is None or base.dtype != spec.dtype.uint or base.size != spec.numel:
+        return None  # a mismatch the apply step reports properly
+    return staged_old_digest(seg, base[seg.start: seg.stop], spec.dtype, where)

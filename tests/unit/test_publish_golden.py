@@ -1,0 +1,121 @@
+"""Golden bytes of the publisher: what a Publisher stores for a fixed trajectory is pinned.
+
+The digests below were recorded from the publisher as it stood before `publish.py` and
+`publish_sharded.py` became the `publish/` package (one pipeline, the single process being the
+world-size-1 case of the sharded publisher). Every stored object counts: manifests (primary,
+anchors, skip deltas) and chunk frames, after a restarted publisher adopted the store, and after
+retention deleted old versions. Only the random chunk-directory tokens, the publisher id and the
+`created` time are masked (tests/store_golden.py); every other byte must stay as it was.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from store_golden import digest_by_version, masked_objects
+from weighthub.publish import ENCODE_PROFILES, Publisher
+from weighthub.store.memory import MemoryStore
+
+SPAN = 4096  # the minimum chunk span: several chunks per tensor and version
+
+# (name, shape, dtype): float families, an fp8, integers, a 0-d scalar, an empty tensor
+MODEL: list[tuple[str, tuple[int, ...], torch.dtype]] = [
+    ("a.weight", (64, 96), torch.bfloat16),
+    ("b.bias", (300,), torch.float16),
+    ("c.weight", (40, 50), torch.float32),
+    ("d.steps", (17,), torch.int64),
+    ("e.scale", (), torch.float32),
+    ("f.empty", (0, 4), torch.bfloat16),
+    ("g.fp8", (33, 31), torch.float8_e4m3fn),
+]
+
+_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def trajectory(steps: int) -> list[dict[str, torch.Tensor]]:
+    """Random weights, then sparse ±1-ulp steps, odd words (NaN payload, -0.0), a rewrite of a
+    block at step 3 (dense / overwrite segments) and an unchanged state at step 7."""
+    g = torch.Generator().manual_seed(20261201)
+    state = {}
+    for name, shape, dt in MODEL:
+        if dt.is_floating_point:
+            state[name] = torch.randn(shape, generator=g).to(dt)
+        else:
+            state[name] = torch.randint(-1000, 1000, shape, generator=g, dtype=dt)
+    out = [{n: t.clone() for n, t in state.items()}]
+    for step in range(1, steps):
+        if step == 7:
+            out.append({n: t.clone() for n, t in state.items()})
+            continue
+        for name, t in state.items():
+            if t.numel() == 0:
+                continue
+            words = t.view(_INT[t.element_size()]).reshape(-1)
+            hit = torch.rand(words.numel(), generator=g) < 0.03
+            hit[int(torch.randint(0, words.numel(), (1,), generator=g))] = True
+            words[hit] += torch.randint(0, 2, (int(hit.sum()),), generator=g,
+                                        dtype=words.dtype) * 2 - 1
+            if step == 3 and words.numel() > 64:
+                words[10:60] = torch.randint(-100, 100, (50,), generator=g, dtype=words.dtype)
+            if name == "a.weight":
+                words[7 * step] = -0x7F81  # a NaN payload
+                words[7 * step + 1] = -0x8000  # -0.0
+        out.append({n: t.clone() for n, t in state.items()})
+    return out
+
+
+def _publish_trajectory() -> MemoryStore:
+    states = trajectory(10)
+    store = MemoryStore()
+    opts = dict(anchor_every=3, skip_every=2, delta_span_bytes=SPAN, full_span_bytes=SPAN,
+                policy=ENCODE_PROFILES["compact"])
+    pub = Publisher(store, workers=2, **opts)
+    for state in states[:8]:
+        pub.publish(state)
+    # a publisher restarting adopts the store's head and goes on with deltas
+    again = Publisher(store, workers=3, **opts)
+    for state in states[8:]:
+        again.publish(state)
+    return store
+
+
+GOLDEN = {
+    "v000000000000": "7:ec9798238369f970577b3a70e9a471f8",
+    "v000000000001": "7:e9416b3d6a80e5b19bb8aea0408a56a4",
+    "v000000000002": "14:14acee500c636211244d90a0daa989c3",
+    "v000000000003": "14:c3cb4c73fc9d1aaadf02d57f978c071c",
+    "v000000000004": "14:6c762f0aab184f4b937cfeae0bf69b68",
+    "v000000000005": "7:4e2f778e9218945ceffcc88b3d1a97b9",
+    "v000000000006": "21:119126fe15d5c4e7b21f049c09145dd7",
+    "v000000000007": "7:bdb756154334735c102b1561133349b9",
+    "v000000000008": "7:518c49abc788982ee235b08f546794ca",
+    "v000000000009": "14:6aa21ed136b640b73297d611eab27225",
+}
+
+GOLDEN_RETAIN = {
+    "v000000000004": "11:86225e83f8e5f306080a3d496cd53153",
+    "v000000000005": "7:4e2f778e9218945ceffcc88b3d1a97b9",
+    "v000000000006": "18:fc49f8b3fecf89737aab6e20ffd52857",
+}
+
+
+def test_publisher_output_is_byte_identical_to_the_golden_digests() -> None:
+    objects = masked_objects(_publish_trajectory())
+    got = digest_by_version(objects)
+    print("\n".join(f"{k} {v}" for k, v in objects.items()))
+    print(got)
+    assert got == GOLDEN
+
+
+def test_retention_leaves_the_golden_objects() -> None:
+    states = trajectory(7)
+    store = MemoryStore()
+    pub = Publisher(store, anchor_every=2, retain=3, skip_every=3, delta_span_bytes=SPAN,
+                    full_span_bytes=2 * SPAN, workers=1)
+    for state in states:
+        pub.publish(state)
+    objects = masked_objects(store)
+    got = digest_by_version(objects)
+    print("\n".join(f"{k} {v}" for k, v in objects.items()))
+    print(got)
+    assert got == GOLDEN_RETAIN
