@@ -3,12 +3,11 @@
 `HubProcess.start` runs `python -m weighthub.cluster.hub` (the same code as `weighthub serve hub`
 without the CLI's torch imports, so it starts in about a second; `cli=True` runs the real
 console command) and waits for the "listening on host:port" line. `stop()` sends SIGTERM and
-waits; `kill()` is kill -9. `silent_server()` accepts connections and never answers.
+waits; `kill()` is kill -9.
 """
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import os
@@ -16,11 +15,9 @@ import queue
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -116,29 +113,3 @@ def raw_request(address: str, method: str, path: str, body: bytes = b"", *,
 def signed_request(address: str, secret: bytes, method: str, path: str, body: bytes = b"") -> tuple[int, Any]:
     token = sign(secret, method, path, body_digest(body) if body else "")
     return raw_request(address, method, path, body, token=token)
-
-
-@contextlib.contextmanager
-def silent_server() -> Iterator[str]:
-    """A socket on 127.0.0.1 that accepts connections, reads nothing back, and never replies."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(16)
-    srv.settimeout(0.2)
-    held: list[socket.socket] = []
-    done = threading.Event()
-
-    def accept() -> None:
-        while not done.is_set():
-            with contextlib.suppress(OSError):
-                held.append(srv.accept()[0])
-    t = threading.Thread(target=accept, daemon=True)
-    t.start()
-    try:
-        yield f"127.0.0.1:{srv.getsockname()[1]}"
-    finally:
-        done.set()
-        t.join(5)
-        for s in held:
-            s.close()
-        srv.close()

@@ -9,8 +9,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hub_helpers import HubProcess, raw_request, signed_request, silent_server, write_secret
+from hub_helpers import HubProcess, raw_request, signed_request, write_secret
 
+from silent_server import silent_server
 from weighthub import cli
 from weighthub.cluster.hubclient import HubClient
 from weighthub.cluster.topology import Labels

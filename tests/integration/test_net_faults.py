@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 from deadlines import PROCESS_S
-from hub_helpers import HubProcess, silent_server, write_secret
+from hub_helpers import HubProcess, write_secret
 from node_helpers import BadHolder, NodeProcess, make_state, read_bits, same_bits, step
 
+from silent_server import silent_server
 from weighthub.cluster.hubclient import HubClient
 from weighthub.cluster.publisher import NetPublisher
 from weighthub.cluster.topology import Labels

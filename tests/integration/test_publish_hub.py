@@ -20,10 +20,11 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
-from hub_helpers import HubProcess, silent_server, write_secret
+from hub_helpers import HubProcess, write_secret
 from node_helpers import NodeProcess, child_env, make_state, read_bits, same_bits, step
 from safetensors.torch import save_file
 
+from silent_server import silent_server
 from weighthub import catalog, cli
 from weighthub.cluster.hubclient import HubClient
 from weighthub.cluster.publisher import NetPublisher, NetPublishResult

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from silent_server import silent_server as serve_silently
 from weighthub import catalog
 from weighthub.errors import (
     ChecksumError,
@@ -240,32 +240,9 @@ def test_endpoint_nothing_listens() -> None:
 
 @pytest.fixture
 def silent_server() -> Iterator[str]:
-    """A TCP server that accepts connections, reads, and never answers."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(64)
-    srv.settimeout(0.2)
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = srv.accept()
-                held.append(conn)
-            except OSError:
-                continue
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{srv.getsockname()[1]}"
-    finally:
-        stop.set()
-        t.join(timeout=5)
-        for c in held:
-            c.close()
-        srv.close()
+    """An S3 endpoint that accepts connections and never answers."""
+    with serve_silently() as addr:
+        yield f"http://{addr}"
 
 
 def test_endpoint_that_never_answers(silent_server: str) -> None:

@@ -9,14 +9,13 @@ call holds, and a TCP server that accepts and never answers.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from silent_server import silent_server
 from weighthub.cluster.peers import HolderSource, PeerSource
 from weighthub.net.server import ChunkServer
 from weighthub.sources import ChunkId, ChunkSource, StoreCache, StoreSource
@@ -75,28 +74,8 @@ class TestStagingSource(CacheTests):
 @pytest.fixture
 def silent_addr() -> Iterator[str]:
     """host:port of a TCP server that accepts connections and never answers."""
-    srv = socket.create_server(("127.0.0.1", 0), backlog=64)
-    srv.settimeout(0.2)
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            try:
-                held.append(srv.accept()[0])
-            except OSError:
-                continue
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
-    try:
-        yield f"127.0.0.1:{srv.getsockname()[1]}"
-    finally:
-        stop.set()
-        t.join(timeout=5)
-        for c in held:
-            c.close()
-        srv.close()
+    with silent_server() as addr:
+        yield addr
 
 
 class _PeerKit(SourceTimeoutTests):
