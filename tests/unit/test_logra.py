@@ -253,16 +253,25 @@ def test_compact_payload_refuses_corruption_and_a_wrong_base():
     assert all(torch.equal(held[n], t.view(torch.int32)) for n, t in r.masters.items())
 
 
-def _retagged(payload: bytes, name: str, digest: bytes) -> bytes:
-    """The payload with `name`'s declared result digest replaced (a well-formed frame)."""
+def _reheadered(payload: bytes, edit) -> bytes:  # type: ignore[no-untyped-def]
+    """The payload with its JSON header edited by `edit(header)`, re-checksummed."""
     (hlen,) = struct.unpack_from("<I", payload, 8)
     header = json.loads(payload[12:12 + hlen])
-    for e in header["entries"]:
-        if e["name"] == name:
-            e["digest"] = digest.hex()
+    edit(header)
     head = json.dumps(header, separators=(",", ":")).encode()
     frame = payload[:8] + struct.pack("<I", len(head)) + head + payload[12 + hlen:-16]
     return frame + xxhash.xxh3_128_digest(frame)
+
+
+def _retagged(payload: bytes, name: str, digest: bytes) -> bytes:
+    """The payload with `name`'s declared result digest replaced (a well-formed frame)."""
+
+    def edit(header: dict) -> None:  # type: ignore[type-arg]
+        for e in header["entries"]:
+            if e["name"] == name:
+                e["digest"] = digest.hex()
+
+    return _reheadered(payload, edit)
 
 
 def test_compact_replay_that_misses_the_trainers_digest_is_rolled_back():
@@ -309,3 +318,40 @@ def test_kl_target_scales_the_step_to_stay_near_target():
         s = opt.step()
         assert s.alpha < 1.0 and s.predicted_kl == pytest.approx(target, rel=1e-6)
         assert s.realized_kl < 2.0 * target, s
+
+
+@pytest.mark.parametrize("edit, what", [
+    (lambda h: h.update(step="3"), "not an integer"),
+    (lambda h: h["entries"][0].update(offset=0.0), "not an integer"),
+    (lambda h: h["entries"][0].update(nbytes=True), "not an integer"),
+    (lambda h: h["entries"][0].update(rank=str(h["entries"][0]["rank"])), "not an integer"),
+    (lambda h: h["entries"][0].update(base=h["entries"][0]["base"] + "00"), "hex digest"),
+    (lambda h: h["entries"][0].update(digest="ab"), "hex digest"),
+    (lambda h: h["entries"][0].update(coef="1e-3"), "finite number"),
+    (lambda h: h["entries"][0].update(name=7), "not a string"),
+    (lambda h: h.update(entries={"a": 1}), "list of objects"),
+])
+def test_compact_payload_refuses_what_no_writer_emits(edit, what) -> None:  # type: ignore[no-untyped-def]
+    m = tiny_lm()
+    opt = make(m, record_updates=True)
+    initial = {n: p.detach().clone() for n, p in m.named_parameters()}
+    pg_loss(m, *batch(0)).backward()
+    opt.step()
+    payload = encode_update(opt.last_update)
+    assert opt.last_update.sketches, "the first entry must be a sketch for the rank/coef cases"
+    r = CompactReceiver({n: t.clone() for n, t in initial.items()})
+    before = {n: t.view(torch.int32).clone() for n, t in r.masters.items()}
+    with pytest.raises(FormatError, match=what):
+        r.apply(_reheadered(payload, edit))
+    assert all(torch.equal(before[n], t.view(torch.int32)) for n, t in r.masters.items())
+    r.apply(payload)  # the untouched payload still applies
+
+
+def test_compact_payload_refuses_deeply_nested_json() -> None:
+    head = b'{"step":1,"entries":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    from weighthub.train import compact
+
+    frame = compact.MAGIC + struct.pack("<I", len(head)) + head
+    frame += xxhash.xxh3_128_digest(frame)
+    with pytest.raises(FormatError):
+        compact.parse_update(frame)

@@ -33,7 +33,7 @@ import torch
 import xxhash
 
 from ..codec import Op, Positions, Segment, Values
-from ..digest import root_digest, tensor_digest
+from ..digest import DIGEST_BYTES, root_digest, tensor_digest
 from ..errors import BaseMismatch, ChecksumError, FormatError, LimitError, ModelMismatch
 from ..format import ChunkFrame, ChunkRef, Manifest
 from ..format.manifest import KIND, MANIFEST_FORMAT, TensorEntry
@@ -109,8 +109,10 @@ def parse_update(buf: bytes) -> tuple[int, list[CompactEntry]]:
         raise LimitError(f"LoGRA compact update: header length {hlen} exceeds the frame or limit")
     try:
         header = json.loads(bytes(mv[12:12 + hlen]))
-        step, raw_entries = int(header["step"]), list(header["entries"])
-    except (ValueError, KeyError, TypeError) as exc:
+        step, raw_entries = _int(header["step"]), header["entries"]
+        if not isinstance(raw_entries, list) or not all(isinstance(e, dict) for e in raw_entries):
+            raise TypeError("entries must be a list of objects")
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise FormatError(f"LoGRA compact update: bad header ({exc})") from exc
     body = mv[12 + hlen:-16]
     entries, offset = [], 0
@@ -125,26 +127,46 @@ def parse_update(buf: bytes) -> tuple[int, list[CompactEntry]]:
 def _entry(e: dict[str, Any], body: memoryview, offset: int) -> CompactEntry:
     try:
         kind, dtype = e["kind"], _DTYPES[e["dtype"]]
-        shape = tuple(int(x) for x in e["shape"])
+        shape = tuple(_int(x) for x in e["shape"])
         if kind not in ("sketch", "dense") or (kind == "sketch" and len(shape) != 2):
             raise ValueError(f"kind {kind!r} with shape {shape}")
-        rank = int(e["rank"]) if kind == "sketch" else 0
+        rank = _int(e["rank"]) if kind == "sketch" else 0
         numel = shape[0] * rank if kind == "sketch" else math.prod(shape)
         if any(x <= 0 for x in shape) or numel > MAX_NUMEL or (kind == "sketch" and not
                                                                 1 <= rank <= min(shape)):
             raise ValueError(f"shape {shape} rank {rank} out of range")
         nbytes = numel * dtype.itemsize
-        if int(e["offset"]) != offset or int(e["nbytes"]) != nbytes or offset + nbytes > len(body):
+        if _int(e["offset"]) != offset or _int(e["nbytes"]) != nbytes or offset + nbytes > len(body):
             raise ValueError(f"bytes [{e['offset']}, +{e['nbytes']}) do not match {nbytes} at {offset}")
         extra: dict[str, Any] = {}
         if kind == "sketch":
-            extra = dict(seed=int(e["seed"]), epoch=int(e["epoch"]), rank=rank,
-                         coef=float(e["coef"]), decay=float(e["decay"]))
-        return CompactEntry(str(e["name"]), kind, shape, dtype, body[offset:offset + nbytes],
-                            bytes.fromhex(e["base"]), bytes.fromhex(e["digest"]), **extra)
+            extra = dict(seed=_int(e["seed"]), epoch=_int(e["epoch"]), rank=rank,
+                         coef=_float(e["coef"]), decay=_float(e["decay"]))
+        if not isinstance(e["name"], str):
+            raise TypeError(f"name {e['name']!r} is not a string")
+        return CompactEntry(e["name"], kind, shape, dtype, body[offset:offset + nbytes],
+                            _digest(e["base"]), _digest(e["digest"]), **extra)
     except (ValueError, KeyError, TypeError) as exc:
         name = e.get("name", "?") if isinstance(e, dict) else repr(e)
         raise FormatError(f"LoGRA compact update: bad entry {name}: {exc}") from exc
+
+
+def _int(v: Any) -> int:
+    if type(v) is not int:  # not 2.0, "3" or true: what a writer emits, nothing else
+        raise TypeError(f"{v!r} is not an integer")
+    return v
+
+
+def _float(v: Any) -> float:
+    if type(v) not in (int, float) or not math.isfinite(v):
+        raise TypeError(f"{v!r} is not a finite number")
+    return float(v)
+
+
+def _digest(v: Any) -> bytes:
+    if not isinstance(v, str) or len(v) != 2 * DIGEST_BYTES:
+        raise ValueError(f"{v!r} is not a {DIGEST_BYTES}-byte hex digest")
+    return bytes.fromhex(v)
 
 
 def _tensor(entry: CompactEntry, shape: tuple[int, ...]) -> torch.Tensor:
