@@ -232,14 +232,19 @@ def test_compact_payload_replays_bit_exactly_on_two_receivers(update_dtype):
                    for n, p in m.named_parameters())
 
 
-def test_compact_payload_refuses_corruption_and_a_wrong_base():
+def _first_step() -> tuple[torch.nn.Module, bytes, CompactReceiver]:
+    """A model after one recorded LoGRA step, its compact payload, and a receiver at its start."""
     m = tiny_lm()
     opt = make(m, record_updates=True)
     initial = {n: p.detach().clone() for n, p in m.named_parameters()}
     pg_loss(m, *batch(0)).backward()
     opt.step()
-    payload = encode_update(opt.last_update)
-    r = CompactReceiver({n: t.clone() for n, t in initial.items()})
+    return m, encode_update(opt.last_update), CompactReceiver(
+        {n: t.clone() for n, t in initial.items()})
+
+
+def test_compact_payload_refuses_corruption_and_a_wrong_base():
+    _m, payload, r = _first_step()
     flipped = bytearray(payload)
     flipped[len(payload) // 2] ^= 1
     with pytest.raises(ChecksumError):
@@ -277,13 +282,7 @@ def _retagged(payload: bytes, name: str, digest: bytes) -> bytes:
 def test_compact_replay_that_misses_the_trainers_digest_is_rolled_back():
     """The replayed words go through the engine: written in place, digests checked, and on a
     mismatch every master is restored exactly (the masters are the engine's target)."""
-    m = tiny_lm()
-    opt = make(m, record_updates=True)
-    initial = {n: p.detach().clone() for n, p in m.named_parameters()}
-    pg_loss(m, *batch(0)).backward()
-    opt.step()
-    payload = encode_update(opt.last_update)
-    r = CompactReceiver({n: t.clone() for n, t in initial.items()})
+    m, payload, r = _first_step()
     before = {n: t.view(torch.int32).clone() for n, t in r.masters.items()}
     tensors = {n: t for n, t in r.masters.items()}  # updated in place, never replaced
     last = parse_update(payload)[1][-1].name  # the last entry: the others are written first
@@ -295,6 +294,37 @@ def test_compact_replay_that_misses_the_trainers_digest_is_rolled_back():
     assert r.step == 1 and all(r.masters[n] is t for n, t in tensors.items())
     assert {n: tensor_digest(t) for n, t in r.masters.items()} == \
         {n: tensor_digest(p.detach()) for n, p in m.named_parameters()}
+
+
+@pytest.mark.parametrize("edit, what", [
+    (lambda h: h.update(step="3"), "not an integer"),
+    (lambda h: h["entries"][0].update(offset=0.0), "not an integer"),
+    (lambda h: h["entries"][0].update(nbytes=True), "not an integer"),
+    (lambda h: h["entries"][0].update(rank=str(h["entries"][0]["rank"])), "not an integer"),
+    (lambda h: h["entries"][0].update(base=h["entries"][0]["base"] + "00"), "hex digest"),
+    (lambda h: h["entries"][0].update(digest="ab"), "hex digest"),
+    (lambda h: h["entries"][0].update(coef="1e-3"), "finite number"),
+    (lambda h: h["entries"][0].update(name=7), "not a string"),
+    (lambda h: h.update(entries={"a": 1}), "list of objects"),
+])
+def test_compact_payload_refuses_what_no_writer_emits(edit, what) -> None:  # type: ignore[no-untyped-def]
+    _m, payload, r = _first_step()
+    assert parse_update(payload)[1][0].kind == "sketch", "the rank/coef cases edit a sketch"
+    before = {n: t.view(torch.int32).clone() for n, t in r.masters.items()}
+    with pytest.raises(FormatError, match=what):
+        r.apply(_reheadered(payload, edit))
+    assert all(torch.equal(before[n], t.view(torch.int32)) for n, t in r.masters.items())
+    r.apply(payload)  # the untouched payload still applies
+
+
+def test_compact_payload_refuses_deeply_nested_json() -> None:
+    head = b'{"step":1,"entries":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    from weighthub.train import compact
+
+    frame = compact.MAGIC + struct.pack("<I", len(head)) + head
+    frame += xxhash.xxh3_128_digest(frame)
+    with pytest.raises(FormatError):
+        compact.parse_update(frame)
 
 
 # -- predicted-KL step control -----------------------------------------------------------------
@@ -318,40 +348,3 @@ def test_kl_target_scales_the_step_to_stay_near_target():
         s = opt.step()
         assert s.alpha < 1.0 and s.predicted_kl == pytest.approx(target, rel=1e-6)
         assert s.realized_kl < 2.0 * target, s
-
-
-@pytest.mark.parametrize("edit, what", [
-    (lambda h: h.update(step="3"), "not an integer"),
-    (lambda h: h["entries"][0].update(offset=0.0), "not an integer"),
-    (lambda h: h["entries"][0].update(nbytes=True), "not an integer"),
-    (lambda h: h["entries"][0].update(rank=str(h["entries"][0]["rank"])), "not an integer"),
-    (lambda h: h["entries"][0].update(base=h["entries"][0]["base"] + "00"), "hex digest"),
-    (lambda h: h["entries"][0].update(digest="ab"), "hex digest"),
-    (lambda h: h["entries"][0].update(coef="1e-3"), "finite number"),
-    (lambda h: h["entries"][0].update(name=7), "not a string"),
-    (lambda h: h.update(entries={"a": 1}), "list of objects"),
-])
-def test_compact_payload_refuses_what_no_writer_emits(edit, what) -> None:  # type: ignore[no-untyped-def]
-    m = tiny_lm()
-    opt = make(m, record_updates=True)
-    initial = {n: p.detach().clone() for n, p in m.named_parameters()}
-    pg_loss(m, *batch(0)).backward()
-    opt.step()
-    payload = encode_update(opt.last_update)
-    assert opt.last_update.sketches, "the first entry must be a sketch for the rank/coef cases"
-    r = CompactReceiver({n: t.clone() for n, t in initial.items()})
-    before = {n: t.view(torch.int32).clone() for n, t in r.masters.items()}
-    with pytest.raises(FormatError, match=what):
-        r.apply(_reheadered(payload, edit))
-    assert all(torch.equal(before[n], t.view(torch.int32)) for n, t in r.masters.items())
-    r.apply(payload)  # the untouched payload still applies
-
-
-def test_compact_payload_refuses_deeply_nested_json() -> None:
-    head = b'{"step":1,"entries":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-    from weighthub.train import compact
-
-    frame = compact.MAGIC + struct.pack("<I", len(head)) + head
-    frame += xxhash.xxh3_128_digest(frame)
-    with pytest.raises(FormatError):
-        compact.parse_update(frame)

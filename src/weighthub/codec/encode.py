@@ -240,19 +240,13 @@ def _encode(old: np.ndarray, new: np.ndarray, dtype: DType, tensor: int, start: 
     dense_est = n * dtype.width * (_DENSE_RATIO if dtype.is_float else 1.0)
 
     # positions: gaps always; groups for floats with enough changes; bitmap when dense-ish
-    candidates: list[tuple[float, Positions, np.ndarray]] = []
-    gaps = encode_gaps(pos)
-    candidates.append((_entropy_bytes(gaps), Positions.GAPS, gaps))
+    candidates = _position_candidates(pos, n)
     if (policy.groups and dtype.is_float and pos.size >= policy.min_group_count
             and (not policy.group_probe or n < 4 * _PROBE_WINDOWS * _PROBE_WINDOW
                  or _groups_promising(old, pos, dtype))):
         grouped = _encode_groups(old, pos, dtype)
-        candidates.append((_entropy_bytes(grouped), Positions.GROUPS, grouped))
-    if pos.size * 16 > n:
-        bitmask = np.zeros(n, np.bool_)
-        bitmask[pos] = True
-        bitmap = np.packbits(bitmask, bitorder="little")
-        candidates.append((_entropy_bytes(bitmap), Positions.BITMAP, bitmap))
+        # after gaps, before a bitmap: `min` keeps the first of equal estimates, as it always did
+        candidates.insert(1, (_entropy_bytes(grouped), Positions.GROUPS, grouped))
     pos_est, pos_codec, pos_bytes = min(candidates, key=lambda c: c[0])
 
     val_est, op, val_codec, val_bytes = _choose_values(ch, dtype, policy)
@@ -266,6 +260,19 @@ def _encode(old: np.ndarray, new: np.ndarray, dtype: DType, tensor: int, start: 
         return _dense_segment(tensor, start, new)
     return Segment(tensor, start, start + n, op, pos_codec, val_codec, int(pos.size),
                    pos_bytes, val_bytes)
+
+
+def _position_candidates(pos: np.ndarray, n: int) -> list[tuple[float, Positions, np.ndarray]]:
+    """(estimated bytes, coding, stream) of the codings that need no base bits: gaps always, a
+    bitmap where more than one element in 16 changed."""
+    gaps = encode_gaps(pos)
+    candidates = [(_entropy_bytes(gaps), Positions.GAPS, gaps)]
+    if pos.size * 16 > n:
+        bitmask = np.zeros(n, np.bool_)
+        bitmask[pos] = True
+        bitmap = np.packbits(bitmask, bitorder="little")
+        candidates.append((_entropy_bytes(bitmap), Positions.BITMAP, bitmap))
+    return candidates
 
 
 def encode_changes(pos: np.ndarray, old: np.ndarray, new: np.ndarray, dtype: DType, *,
@@ -292,15 +299,7 @@ def encode_changes(pos: np.ndarray, old: np.ndarray, new: np.ndarray, dtype: DTy
     if int(pos[0]) < 0 or int(pos[-1]) >= n:
         raise UsageError(f"encode_changes: positions outside [0, {n})")
     pos = pos.astype(np.int64, copy=False)
-    candidates: list[tuple[float, Positions, np.ndarray]] = []
-    gaps = encode_gaps(pos)
-    candidates.append((_entropy_bytes(gaps), Positions.GAPS, gaps))
-    if pos.size * 16 > n:
-        bitmask = np.zeros(n, np.bool_)
-        bitmask[pos] = True
-        bitmap = np.packbits(bitmask, bitorder="little")
-        candidates.append((_entropy_bytes(bitmap), Positions.BITMAP, bitmap))
-    pos_est, pos_codec, pos_bytes = min(candidates, key=lambda c: c[0])
+    pos_est, pos_codec, pos_bytes = min(_position_candidates(pos, n), key=lambda c: c[0])
     val_est, op, val_codec, val_bytes = _choose_values(_Changes(pos, old, new), dtype, policy)
     if pos_est + val_est >= dense_numel * dtype.width * (_DENSE_RATIO if dtype.is_float else 1.0):
         return None
