@@ -33,8 +33,11 @@ def create_bucket(endpoint: str, bucket: str, access_key: str | None, secret_key
     """
     from botocore.config import Config
 
+    # no single request may outlive the wait: a read stalled on a half-started gateway would
+    # otherwise keep the wait going for seconds past `timeout` (and it may then succeed)
     s3 = client(endpoint, access_key, secret_key,
-                 Config(connect_timeout=1, read_timeout=5, retries={"max_attempts": 0}))
+                 Config(connect_timeout=min(1.0, timeout), read_timeout=min(5.0, timeout),
+                        retries={"max_attempts": 0}))
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline and (alive is None or alive()):
