@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from .codec import coding_invertible
 from .errors import FormatError, NoSyncPath, ObjectNotFound, VersionNotFound
 from .format import Manifest, decode_manifest
+from .format.manifest import MAX_MANIFEST_BYTES
 from .store import Store
 
 PRIMARY = "manifest.json"
@@ -63,7 +64,9 @@ def latest_version(store: Store) -> int | None:
 
 
 def read_manifest(store: Store, key: str) -> Manifest:
-    return decode_manifest(store.get(key), where=f"{store.url}/{key}")
+    """The manifest at `key`, read no further than the manifest size limit (a hostile store's
+    endless or multi-GB object is refused with LimitError, not read first)."""
+    return decode_manifest(store.get(key, max_bytes=MAX_MANIFEST_BYTES), where=f"{store.url}/{key}")
 
 
 def primary_manifest(store: Store, v: int) -> Manifest:

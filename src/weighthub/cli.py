@@ -17,13 +17,15 @@
 STORE is a directory path, a file:// URI or s3://BUCKET/PREFIX (credentials and endpoint from
 the standard AWS_* variables, or --endpoint-url). Exit codes: 0 ok, 1 verify mismatch, 2 usage error,
 3 any other failure, 4 `publish --hub` committed but the hub did not take the announcement.
-Errors the user can act on print one line on stderr, never a traceback.
+Every error prints one line on stderr, never a traceback (an unexpected one, a bug, exits 3 and
+prints its traceback only with WEIGHTHUB_TRACEBACK=1).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,6 +42,7 @@ from .errors import UsageError, WeighthubError
 from .store import Store
 
 EXIT_USAGE, EXIT_FAILED = 2, 3
+TRACEBACK_ENV = "WEIGHTHUB_TRACEBACK"  # set: an unexpected exception prints its traceback
 __all__ = ["EXIT_FAILED", "EXIT_MISMATCH", "EXIT_NOT_ANNOUNCED", "EXIT_OK", "EXIT_USAGE",
            "build_parser", "main"]
 
@@ -331,6 +334,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("weighthub: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # a bug: still one line and exit 3, never exit 1 (a verify mismatch)
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        return _fail(f"internal error {type(exc).__name__}: {exc}; this is a weighthub bug: please "
+                     f"report it with the traceback (rerun with {TRACEBACK_ENV}=1)", EXIT_FAILED)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ zstd errors, …) are mapped once, at the seam where they happen (`raise X(...) 
     │   └── ModelMismatch       tensor names, dtypes or shapes differ from the store's model
     ├── IntegrityError          bits that are not what the manifest says (digest mismatch)
     ├── ApplyError              the target failed during apply; it was rolled back
+    ├── TargetBusy              another process holds the target's transaction lock (bounded
+    │                           wait ran out); nothing was changed: retry later
     ├── PlacementError          a serving engine's loader or a shard layout does not place the
     │                           canonical tensors as declared (gaps, overlaps, renamed/skipped)
     └── NetError                a peer, relay or hub failed
@@ -113,6 +115,10 @@ class IntegrityError(WeighthubError):
 
 class ApplyError(WeighthubError):
     """The target failed while changes were applied; it was rolled back to its committed version."""
+
+
+class TargetBusy(WeighthubError):
+    """Another process is changing the target (its lock stayed held past the bounded wait)."""
 
 
 class PlacementError(WeighthubError):

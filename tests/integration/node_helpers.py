@@ -196,7 +196,7 @@ def read_bits(out: Path) -> dict[str, torch.Tensor]:
 def _bad_holder_main(argv: list[str]) -> None:
     from weighthub.cluster.hubclient import HubClient
     from weighthub.cluster.leases import ReadLeases
-    from weighthub.cluster.node import parse_labels
+    from weighthub.cluster.topology import parse_labels
     from weighthub.net.auth import load_secret
     from weighthub.net.server import ChunkServer
     from weighthub.receive import Receiver
@@ -222,7 +222,7 @@ def _bad_holder_main(argv: list[str]) -> None:
     server = ChunkServer(served, secret, leases=ReadLeases(lying)).start()  # type: ignore[arg-type]
     server.serve(args.version)
     hub = HubClient(args.hub, secret, timeout=5.0, labels=parse_labels(args.labels))
-    hub.register(args.id, server.address, versions=[args.version], dense=True)
+    hub.register(args.id, server.address, versions=[args.version], dense=True, serving=[args.version])
     hub.start_heartbeat()
     print(json.dumps({"addr": server.address}), flush=True)
     threading.Event().wait()

@@ -277,7 +277,8 @@ def test_cli_serve_hub_refuses_a_corrupt_database(tmp_path: Path, secret_file: P
     assert f"hub database {db} cannot be opened" in capsys.readouterr().err
 
 
-def test_manifest_digest_is_recorded_and_joins_see_only_dense_holders(hub: HubProcess, secret: bytes) -> None:
+def test_manifest_digest_is_recorded_and_joins_see_only_holders_serving_the_version(
+        hub: HubProcess, secret: bytes) -> None:
     admin = client(hub, secret)
     digest = "ab" * 32
     admin.announce(1, manifest_key="v000000000001/manifest.json", store_url="file:///store",
@@ -288,10 +289,17 @@ def test_manifest_digest_is_recorded_and_joins_see_only_dense_holders(hub: HubPr
         admin.announce(2, manifest_key="v000000000002/manifest.json", store_url="file:///store",
                        model_id="m", root="root2", manifest_sha256="not-a-digest")
     client(hub, secret).register("chunks-only", "127.0.0.1:40", versions=[1])
-    client(hub, secret).register("dense", "127.0.0.1:41", versions=[1], dense=True)
-    assert sorted(admin.sources(KEY, 1)) == ["127.0.0.1:40", "127.0.0.1:41"]
+    client(hub, secret).register("dense", "127.0.0.1:41", versions=[1], dense=True, serving=[1])
+    # v1's chunks (pushed to it) but not yet its bits: joiners of v1 must not be sent there
+    syncing = client(hub, secret)
+    syncing.register("syncing", "127.0.0.1:42", versions=[0, 1], dense=True, serving=[0])
+    assert sorted(admin.sources(KEY, 1)) == ["127.0.0.1:40", "127.0.0.1:41", "127.0.0.1:42"]
     assert admin.sources("v000000000001/dense", 1, dense=True) == ["127.0.0.1:41"]
-    assert {h["id"]: h["dense"] for h in admin.holders()} == {"chunks-only": False, "dense": True}
+    syncing.set_serving([1])  # it committed v1: its next heartbeat says so
+    syncing.heartbeat()
+    assert sorted(admin.sources("v000000000001/dense", 1, dense=True)) == ["127.0.0.1:41", "127.0.0.1:42"]
+    assert {h["id"]: (h["dense"], h["serving"]) for h in admin.holders()} == {
+        "chunks-only": (False, []), "dense": (True, [1]), "syncing": (True, [1])}
 
 
 def test_a_schema_1_database_is_upgraded_in_place(tmp_path: Path) -> None:

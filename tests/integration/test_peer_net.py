@@ -155,6 +155,10 @@ def test_auth_refuses_missing_wrong_expired_and_replayed_tokens(holder: Node, pu
     with pytest.raises(AuthError, match=f"{holder.addr}.*bad signature"):
         PeerClient(holder.addr, b"another-secret-of-32-bytes-xxxxx").get(key)
 
+    # a token the checker cannot even read (a non-ASCII digit): refused, not a dropped connection
+    resp = raw_call(holder.addr, wire.Request("get", key=key, auth="WH1 \u00b2 n s"))
+    assert resp.status == wire.AUTH and "malformed" in resp.message, resp
+
     stale = auth.sign(KEY, *wire.auth_subject(req), now=time.time() - 3600)
     resp = raw_call(holder.addr, wire.Request("get", key=key, auth=stale))
     assert resp.status == wire.AUTH and "expired" in resp.message

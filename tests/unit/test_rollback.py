@@ -27,14 +27,16 @@ from weighthub.codec import (
     apply_segment,
     coding_invertible,
     encode_segment,
+    kernels,
 )
 from weighthub.digest import digest_add, digest_affine, digest_sub, lanes_digest
 from weighthub.errors import ApplyError, BaseMismatch, ChecksumError, FormatError, IntegrityError
 from weighthub.format import Manifest, TensorEntry, encode_manifest
 from weighthub.publish import Publisher
 from weighthub.receive import Receiver
+from weighthub.receive.undo_plan import gap_positions
 from weighthub.store import LocalStore, MemoryStore, Store
-from weighthub.targets import SafetensorsTarget, StateDictTarget
+from weighthub.targets import SafetensorsTarget, StateDictTarget, load_checkpoint
 from weighthub.tensors import DTYPES, DType, bits
 
 SPAN = 16 << 10  # small chunks: several chunks and segments per version
@@ -227,8 +229,8 @@ class CountingStore:
         self.inner = inner
         self.chunk_bytes = 0
 
-    def get(self, key: str, *, timeout: float | None = None) -> bytes:
-        data = self.inner.get(key, timeout=timeout)
+    def get(self, key: str, *, timeout: float | None = None, max_bytes: int | None = None) -> bytes:
+        data = self.inner.get(key, timeout=timeout, max_bytes=max_bytes)
         if key.endswith(".whc"):
             self.chunk_bytes += len(data)
         return data
@@ -284,6 +286,62 @@ def test_safetensors_target_rolls_back_like_pull_version(tmp_path) -> None:
     assert same_bits(target.peek(), states[0])
     held = target.held()
     assert held is not None and held.version == 0
+
+
+@given(st.lists(st.integers(0, 1 << 20), max_size=300, unique=True))
+def test_journal_plan_decodes_gap_positions_like_the_kernels(raw: list[int]) -> None:
+    pos = np.array(sorted(raw), np.int64)
+    buf = np.zeros(10 * pos.size + 1, np.uint8)
+    used = kernels.encode_gaps(pos, pos.size, buf)
+    got = gap_positions(buf[:used], pos.size, (1 << 20) + 1)
+    assert got is not None and np.array_equal(got, pos)
+    if pos.size:
+        assert gap_positions(buf[:used], pos.size, int(pos[-1])) is None  # past the end
+        assert gap_positions(buf[: used - 1], pos.size, 1 << 21) is None  # cut short
+
+
+def test_in_place_steps_journal_what_they_change_and_a_failure_restores_the_old_version(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before each step an in-place file target journals the old words of the places the step
+    may write (decoded from its chunks: O(changed), not the file), and a step that fails
+    half-way is rolled back: the file is at the old version, bit-exact, claimed as such."""
+    import weighthub.receive.apply as apply_module
+    import weighthub.targets.safetensors_file as sf
+
+    store = LocalStore(tmp_path / "store")
+    _pub, states = publish_chain(store, 3)
+    out = tmp_path / "model.safetensors"
+    rx = Receiver(store, SafetensorsTarget(out), verify_base=True)
+    rx.sync(0)
+    journaled: list[int] = []
+    append = sf.append_batch
+
+    def journal(path, header, records=()):
+        records = list(records)
+        journaled.append(sum(r.old.nbytes + (0 if r.positions is None else r.positions.nbytes)
+                             for r in records))
+        append(path, header, records)
+
+    monkeypatch.setattr(sf, "append_batch", journal)
+    rx.sync(1)
+    assert len(journaled) == 1 and 0 < journaled[0] < out.stat().st_size / 4
+    assert same_bits(load_checkpoint(out), states[1])
+
+    applied = 0
+    whole = apply_module.apply_segment
+
+    def fails_half_way(*a, **k):
+        nonlocal applied
+        applied += 1
+        if applied > 3:
+            raise OSError(5, "Input/output error", str(out))
+        return whole(*a, **k)
+
+    monkeypatch.setattr(apply_module, "apply_segment", fails_half_way)
+    with pytest.raises(ApplyError, match=r"Input/output error.*rolled back to its previous version"):
+        rx.sync(2)
+    assert rx.target.held().version == 1 and same_bits(load_checkpoint(out), states[1])
+    assert not (tmp_path / ".model.safetensors.weighthub-journal").exists()
 
 
 def test_an_overwrite_delta_is_not_undone_the_route_falls_back(store: Store) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from weighthub.errors import BaseMismatch, FormatError, LimitError, UsageError
+from weighthub.errors import BaseMismatch, FormatError, LimitError, TargetBusy, UsageError
 from weighthub.targets import SafetensorsTarget, load_checkpoint
 from weighthub.targets.base import Held
 from weighthub.targets.safetensors_header import MAX_HEADER_BYTES, read_header
@@ -146,15 +146,23 @@ def _fill(views: dict[str, np.ndarray], state: dict[str, torch.Tensor]) -> None:
         views[n][:] = bits(t)
 
 
+LOCK = ".weighthub-lock"  # the lock file beside a target stays (deleting it would race)
+
+
+def _hidden(where: Path) -> list[str]:
+    """Hidden files beside a target (temporaries, journals), its lock file aside."""
+    return [p.name for p in where.iterdir() if p.name.startswith(".") and not p.name.endswith(LOCK)]
+
+
 @pytest.mark.parametrize("name", ["out.safetensors", "outdir"])
 def test_materialize_then_abort_leaves_nothing(tmp_path: Path, name: str) -> None:
     state = sample_state()
     target = SafetensorsTarget(tmp_path / name)
     views = target.open(specs_of(state))
     _fill(views, state)
-    assert len(list(tmp_path.iterdir())) == 1  # the hidden temporary, not yet the name
+    assert len(_hidden(tmp_path)) == 1 and not (tmp_path / name).exists()  # the temporary
     target.abort()
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == [f".{name}{LOCK}"]
     assert target.held() is None
 
 
@@ -170,45 +178,106 @@ def test_materialize_commit_loads_with_safetensors(tmp_path: Path, name: str) ->
     for n, t in state.items():
         assert loaded[n].dtype == t.dtype and loaded[n].shape == t.shape
         assert np.array_equal(bits(loaded[n].contiguous()), bits(t))
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert not _hidden(tmp_path)
     assert SafetensorsTarget(tmp_path / name).held() == HELD
     assert SafetensorsTarget(tmp_path / name).specs() == specs_of(state)
 
 
-def test_in_place_abort_restores_the_committed_sidecar(tmp_path: Path) -> None:
+def test_atomic_transaction_changes_nothing_before_commit(tmp_path: Path) -> None:
     state = sample_state()
     out = tmp_path / "out.safetensors"
-    target = SafetensorsTarget(out)
-    _fill(target.open(specs_of(state)), state)
-    target.commit(HELD)
-    sidecar = target.sidecar.read_bytes()
+    _committed(out, state)
+    file, sidecar = out.read_bytes(), (tmp_path / "out.safetensors.weighthub.json").read_bytes()
+    target = SafetensorsTarget(out, mode="atomic")
     views = target.open(specs_of(state))
-    assert target.held() is None  # "applying": mixed bits are never claimed as a version
-    views["b.f32"][0] ^= 1
-    views["b.f32"][0] ^= 1  # the receiver rolled its change back
+    views["b.f32"][:] ^= 1
+    assert target.held() == HELD  # its own transaction: what it held when opened
+    assert target.peek()["b.f32"][0] == views["b.f32"][0]  # a wrapper's commit reads the new bits
+    # a reader ignoring the lock and the sidecar still reads the committed version, whole
+    assert out.read_bytes() == file and target.sidecar.read_bytes() == sidecar
     target.abort()
-    # committed again, with the same version; its files' stats are re-recorded (rolling back
-    # wrote through the map), so the rollback is not mistaken for an edit outside weighthub
-    after = json.loads(target.sidecar.read_bytes())
-    assert {**after, "files": None} == {**json.loads(sidecar), "files": None}
-    assert after["files"]["out.safetensors"][0] == out.stat().st_size
-    assert target.held() == HELD and SafetensorsTarget(out).held() == HELD
+    assert out.read_bytes() == file and target.sidecar.read_bytes() == sidecar
+    assert SafetensorsTarget(out).held() == HELD and not _hidden(tmp_path)
 
 
-@pytest.mark.parametrize("name", ["out.safetensors", "outdir"])
-def test_crash_while_applying_is_rematerialized(tmp_path: Path, name: str) -> None:
+def test_in_place_step_is_journaled_before_it_writes_and_abort_claims_the_old_version(
+        tmp_path: Path) -> None:
     state = sample_state()
-    target = SafetensorsTarget(tmp_path / name)
-    _fill(target.open(specs_of(state)), state)
-    target.commit(HELD)
-    target.open(specs_of(state))["d.i64"][:] = 99  # ... and the process dies here
-    again = SafetensorsTarget(tmp_path / name)
+    out = tmp_path / "out.safetensors"
+    _committed(out, state)
+    file = out.read_bytes()
+    target = SafetensorsTarget(out)
+    views = target.open(specs_of(state))
+    b = views["b.f32"]
+    target.journal_step(lambda: [(b[2:10], np.array([1, 5], np.int64)), (views["d.i64"], None)])
+    assert json.loads(target.sidecar.read_bytes())["state"] == "applying"
+    assert target.journal.exists() and SafetensorsTarget(out).describe().startswith(
+        "version 3 (root 111111111111…) being changed: not consistent until")
+    old = b.copy()
+    b[3] ^= 1  # what the plan said; the engine rolls it back before abort
+    b[7] ^= 1
+    b[:] = old
+    target.abort()
+    assert out.read_bytes() == file and not target.journal.exists()
+    assert SafetensorsTarget(out).held() == HELD and not _hidden(tmp_path)
+
+
+@pytest.mark.parametrize("mode", ["in-place", "atomic"])
+@pytest.mark.parametrize("name", ["out.safetensors", "outdir"])
+def test_update_commits_new_bits_and_claims_them(tmp_path: Path, mode: str, name: str) -> None:
+    state = sample_state()
+    out = tmp_path / name
+    _committed(out, state)
+    data = out if out.is_file() else out / "model.safetensors"
+    inode = data.stat().st_ino
+    target = SafetensorsTarget(out, mode=mode)
+    views = target.open(specs_of(state))
+    new = {n: t.clone() for n, t in state.items()}
+    new["d.i64"][:] = torch.arange(5, dtype=torch.int64) * 7
+    new["a.bf16"][3, 2] = 5.0
+    _fill(views, new)
+    target.commit(Held(HELD.store, HELD.model, 4, "2" * 32))
+    assert SafetensorsTarget(out).held() == Held(HELD.store, HELD.model, 4, "2" * 32)
+    got = load_checkpoint(out)
+    assert all(np.array_equal(bits(got[n]), bits(new[n])) for n in new)
+    # atomic: a new file renamed over the old one (readers holding the old one keep it whole)
+    assert (data.stat().st_ino != inode) == (mode == "atomic")
+    assert not _hidden(tmp_path) and not [p for p in out.parent.rglob(".*.tmp-*")]
+
+
+def test_second_writer_waits_bounded_then_says_what_the_target_holds(tmp_path: Path) -> None:
+    state = sample_state()
+    out = tmp_path / "out.safetensors"
+    _committed(out, state)
+    first = SafetensorsTarget(out)
+    first.open(specs_of(state))  # a transaction in progress (another process, or object)
+    second = SafetensorsTarget(out, lock_timeout=0.3)
+    with pytest.raises(TargetBusy, match=r"out\.safetensors in .* is being changed by another "
+                                         r"process \(pid \d+\).*stayed locked for 0\.3s; it holds "
+                                         r"version 3 \(root 111111111111…\), consistent; nothing "
+                                         r"was changed"):
+        second.open(specs_of(state))
+    assert second.held() == HELD  # reads need no lock while it is consistent
+    first.abort()
+    second.open(specs_of(state))  # free again
+    second.abort()
+
+
+def test_legacy_applying_sidecar_is_rematerialized(tmp_path: Path) -> None:
+    """A sidecar left "applying" with no journal (a crash of a weighthub without journals)
+    claims no version: the next pull writes the file afresh."""
+    state = sample_state()
+    out = tmp_path / "out.safetensors"
+    target = _committed(out, state)
+    side = json.loads(target.sidecar.read_bytes())
+    target.sidecar.write_text(json.dumps({**side, "state": "applying"}))
+    again = SafetensorsTarget(out)
     assert again.held() is None and again.specs() is None
     _fill(again.open(specs_of(state)), state)  # the whole file is written afresh
     again.commit(Held(HELD.store, HELD.model, 4, HELD.root))
-    assert SafetensorsTarget(tmp_path / name).held().version == 4
-    assert np.array_equal(bits(load_checkpoint(tmp_path / name)["d.i64"]), bits(state["d.i64"]))
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert SafetensorsTarget(out).held().version == 4
+    assert np.array_equal(bits(load_checkpoint(out)["d.i64"]), bits(state["d.i64"]))
+    assert not _hidden(tmp_path)
 
 
 def test_foreign_directory_is_refused(tmp_path: Path) -> None:
@@ -230,7 +299,7 @@ def test_failed_materialize_leaves_nothing(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setattr(sf, "write_empty_safetensors", disk_full)
     with pytest.raises(OSError, match="No space"):
         SafetensorsTarget(tmp_path / "out.safetensors").open(specs_of(sample_state()))
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == [".out.safetensors.weighthub-lock"]
 
 
 def test_abort_never_blesses_a_crashed_apply(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -238,10 +307,9 @@ def test_abort_never_blesses_a_crashed_apply(tmp_path: Path, monkeypatch: pytest
 
     state = sample_state()
     out = tmp_path / "out.safetensors"
-    first = SafetensorsTarget(out)
-    _fill(first.open(specs_of(state)), state)
-    first.commit(HELD)
-    first.open(specs_of(state))  # a process marks it "applying", then dies
+    first = _committed(out, state)
+    side = json.loads(first.sidecar.read_bytes())
+    first.sidecar.write_text(json.dumps({**side, "state": "applying"}))  # a crash left mixed bits
     monkeypatch.setattr(sf, "write_empty_safetensors", lambda *a: (_ for _ in ()).throw(OSError(28, "full")))
     second = SafetensorsTarget(out)
     with pytest.raises(OSError):
@@ -266,7 +334,8 @@ def test_foreign_file_is_refused_unless_overwrite(tmp_path: Path) -> None:
         SafetensorsTarget(out).held()  # refused at the first question, before any fetch
     with pytest.raises(UsageError, match="not written by weighthub"):
         SafetensorsTarget(out).open(specs_of(sample_state()))
-    assert out.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["out.safetensors"]
+    assert out.read_bytes() == before and [p.name for p in tmp_path.iterdir()
+                                           if not p.name.endswith(LOCK)] == ["out.safetensors"]
     state = sample_state()
     forced = SafetensorsTarget(out, overwrite=True)
     assert forced.held() is None
@@ -313,3 +382,32 @@ def test_sidecar_without_file_stats_is_trusted_as_before(tmp_path: Path) -> None
     with out.open("ab") as f:
         f.write(b"\0")
     assert SafetensorsTarget(out).held() == HELD
+
+
+def test_target_modes_bench_runs_at_a_tiny_size(tmp_path: Path) -> None:
+    from weighthub.bench.target_modes import measure
+
+    doc = measure(tmp_path, mb=1, changed=0.01, reps=1)
+    assert set(doc["modes"]) == {"in-place", "atomic"}
+    assert all(m["pause_best_s"] > 0 and m["file_bytes"] > 1 << 20 for m in doc["modes"].values())
+
+
+def test_crash_journal_cut_short_is_ignored_and_a_corrupt_one_refused(tmp_path: Path) -> None:
+    from weighthub.targets.journal import Journal, UndoRecord, read_journal, replay_undo, write_journal
+
+    path = tmp_path / "j"
+    data = np.arange(64, dtype=np.uint8)
+    recs = [UndoRecord(0, 8, 4, np.array([3, 1], np.int64), np.array([7, 9], np.uint32)),
+            UndoRecord(0, 0, 0, None, np.array([5, 6], np.uint8))]
+    write_journal(path, Journal("undo", HELD, HELD, ["f"]), recs)
+    j = read_journal(path)
+    assert j is not None and j.before == HELD and len(j.records) == 2
+    replay_undo(j.records, [data])
+    assert data[:2].tolist() == [5, 6] and data[8:24].view(np.uint32)[[1, 3]].tolist() == [9, 7]
+    raw = path.read_bytes()
+    path.write_bytes(raw[:-3])  # cut short: no trailer, so no data byte had changed
+    assert read_journal(path) is None
+    head = raw.index(b"\n") + 1
+    path.write_bytes(raw[:head] + b"\xff" * 21 + raw[head + 21:])  # a record that does not parse
+    with pytest.raises(FormatError, match="crash journal does not parse"):
+        read_journal(path)

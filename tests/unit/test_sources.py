@@ -16,6 +16,7 @@ from weighthub import catalog
 from weighthub.cluster.peers import HolderSource, PeerSource
 from weighthub.errors import (
     ChecksumError,
+    LimitError,
     ObjectNotFound,
     PeerTimeout,
     PeerUnavailable,
@@ -225,3 +226,18 @@ def test_a_store_cache_keeps_verified_copies_and_survives_a_failing_store() -> N
     cache.keep(REF, DATA)
     assert cache.get_chunk(REF, timeout=1) == DATA and cache.name.startswith("cache memory:")
     StoreCache(Full("f")).keep(REF, DATA)  # best effort: logged, never raised
+
+
+def test_an_oversized_cached_copy_is_refused_unread_and_replaced() -> None:
+    """A cache holding a far larger object under the chunk's key: refused by its size
+    (LimitError, before reading it), the store's copy is used and kept in its place."""
+    cache_store, store = MemoryStore("oversized-cache"), MemoryStore("oversized-store")
+    cache_store.put(REF.key, b"x" * (1 << 20))
+    store.put(REF.key, DATA)
+    cache = StoreCache(cache_store)
+    assert SourceList([cache, StoreSource(store)]).fetch(REF) == DATA
+    assert cache_store.get(REF.key) == DATA
+    fails = SourceList([StoreSource(cache_store)])
+    cache_store.put(REF.key, b"x" * (1 << 20))
+    with pytest.raises(LimitError, match=f"{REF.key}.*{1 << 20} bytes"):
+        fails.fetch(REF)

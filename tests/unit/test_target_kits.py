@@ -61,3 +61,9 @@ class TestSafetensorsDirTarget(TestSafetensorsFileTarget):
     def make_target(self) -> Target:
         self.made += 1
         return SafetensorsTarget(self.tmp / f"out{self.made}")
+
+
+class TestSafetensorsAtomicFileTarget(TestSafetensorsFileTarget):
+    def make_target(self) -> Target:
+        self.made += 1
+        return SafetensorsTarget(self.tmp / f"out{self.made}.safetensors", mode="atomic")

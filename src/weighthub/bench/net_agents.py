@@ -42,8 +42,8 @@ class PublisherAgent:
     def op_start(self, store: str, hub: str, secret_file: str, labels: str, host: str,
                  degree: int, endpoint_url: str | None = None) -> dict[str, Any]:
         from ..cluster.hubclient import HubClient
-        from ..cluster.node import parse_labels
         from ..cluster.publisher import NetPublisher
+        from ..cluster.topology import parse_labels
         from ..net.auth import load_secret
         from ..store import open_store
 

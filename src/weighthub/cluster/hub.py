@@ -15,10 +15,13 @@ come back as `{"error": "<weighthub error class>", "message": "..."}` with a sta
     POST /v1/release                     {version}: holders may drop it (never the latest)
     GET  /v1/holders                     live holders
     PUT  /v1/holders                     register / heartbeat {id, address, labels, versions,
-                                         load, subscribe, dense} -> {lease_ttl, latest, release}
+                                         serving, load, subscribe, dense} -> {lease_ttl,
+                                         latest, release}; `serving`: versions whose dense
+                                         bits it can serve now (kept in memory only)
     POST /v1/holders/leave               {id}
     GET  /v1/sources?version=&key=[&asker=&region=&zone=&host=&dense=1]   ranked sources, store
-                                         last (dense=1: only holders that serve dense reads)
+                                         last (dense=1: only holders whose
+                                         `serving` includes the version)
     POST /v1/plans                       {version, publisher?, degree?}: the publisher creates
                                          the refit's relay plan, anyone reads it
     GET  /v1/plans/{version}             read a plan
@@ -55,6 +58,7 @@ from .hubcore import Hub, HubConfig, add_arguments, config_from_args
 log = logging.getLogger(__name__)
 
 MAX_BODY = 1 << 20
+MAX_DEPTH = 16  # nesting levels of a request body
 REQUEST_TIMEOUT_S = 10.0
 _STATUS: tuple[tuple[type[WeighthubError], int], ...] = (
     (AuthError, 401), (LimitError, 413), (FormatError, 400), (UsageError, 400),
@@ -82,6 +86,58 @@ async def _body(request: web.Request) -> bytes:
         raise LimitError(f"request body is over the hub's limit of {MAX_BODY} bytes") from exc
 
 
+def parse_body(body: bytes) -> Any:
+    """A request body as JSON ({} when empty): strict RFC 8259 JSON, UTF-8, at most MAX_DEPTH deep.
+
+    Raises UsageError for anything else (400): invalid or non-UTF-8 bytes, NaN/Infinity, an
+    integer of more than 4300 digits, a string with a lone surrogate escape ("\\udcff": not
+    storable as UTF-8), or nesting deeper than MAX_DEPTH (the hub's documents nest 2 deep;
+    json recurses per level, so a deep body is refused here, not with a RecursionError inside).
+    """
+    if not body:
+        return {}
+    try:
+        doc = json.loads(body, parse_constant=_refuse_constant)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, over-long integers
+        raise UsageError(f"request body is not JSON ({exc})") from exc
+    except RecursionError:
+        raise UsageError(f"request body is JSON nested too deeply (at most {MAX_DEPTH} "
+                         "levels)") from None
+    stack: list[tuple[Any, int]] = [(doc, 1)]
+    while stack:  # iteratively: the depth is the sender's choice
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth > MAX_DEPTH:
+                raise UsageError(f"request body is JSON nested too deeply (at most {MAX_DEPTH} "
+                                 "levels)")
+            values = [*item, *item.values()] if isinstance(item, dict) else item
+            stack += [(v, depth + 1) for v in values]
+        elif isinstance(item, str) and not _utf8(item):
+            raise UsageError("request body is not JSON the hub can store: a string holds a lone "
+                             "surrogate escape (\\ud800-\\udfff), which is not UTF-8")
+    return doc
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _version(text: str, what: str) -> int:
+    """A version number from a path or query: ASCII digits only (isdigit() alone takes "²",
+    which int() refuses, and "١", which it reads as 1), at most 19 of them (int64)."""
+    if not (text.isascii() and text.isdigit()) or len(text) > 19:
+        raise UsageError(f"{what} must be a non-negative integer, got {text!r}")
+    return int(text)
+
+
 def _middleware(secret: bytes, guard: ReplayGuard) -> Any:
     @web.middleware
     async def edge(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -90,10 +146,7 @@ def _middleware(secret: bytes, guard: ReplayGuard) -> Any:
                 body = await _body(request)
                 verify(secret, request.headers.get(AUTH_HEADER), request.method, request.raw_path,
                        body_digest(body) if body else "", replay=guard)
-                try:
-                    request["doc"] = json.loads(body) if body else {}
-                except (ValueError, UnicodeDecodeError) as exc:
-                    raise UsageError(f"request body is not JSON ({exc})") from exc
+                request["doc"] = parse_body(body)
                 return await handler(request)
         except WeighthubError as exc:
             return _error(exc)
@@ -111,17 +164,12 @@ def build_app(hub: Hub, secret: bytes) -> web.Application:
     app = web.Application(middlewares=[_middleware(secret, ReplayGuard())], client_max_size=MAX_BODY)
 
     def version_of(request: web.Request) -> int:
-        text = request.match_info["version"]
-        if not text.isdigit() or len(text) > 19:
-            raise UsageError(f"version must be a non-negative integer, got {text!r}")
-        return int(text)
+        return _version(request.match_info["version"], "version")
 
     async def sources(request: web.Request) -> web.Response:
         q = request.query
-        version = q.get("version", "")
-        if not version.isdigit() or len(version) > 19:
-            raise UsageError(f"query 'version' must be a non-negative integer, got {version!r}")
-        doc = {"version": int(version), "key": q.get("key"), "asker": q.get("asker"),
+        doc = {"version": _version(q.get("version", ""), "query 'version'"), "key": q.get("key"),
+               "asker": q.get("asker"),
                "labels": {k: q[k] for k in ("region", "zone", "host") if k in q},
                "dense": q.get("dense") == "1"}
         return _reply(hub.sources(doc))

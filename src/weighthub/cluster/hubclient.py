@@ -29,6 +29,7 @@ from typing import Any
 from .. import catalog, errors
 from ..errors import LimitError, NetError, PeerUnavailable, UsageError, VersionNotFound, WeighthubError
 from ..format import chunk_checksum, decode_manifest
+from ..format.manifest import MAX_MANIFEST_BYTES
 from ..net.auth import AUTH_HEADER, body_digest, sign
 from ..sources import ChunkId
 from ..store.base import Store
@@ -75,13 +76,17 @@ class HubClient:
 
     def __init__(self, address: str, secret: bytes, *, timeout: float = 5.0,
                  labels: Labels | None = None):
-        parsed = urllib.parse.urlsplit(address if "://" in address else f"http://{address}")
-        if parsed.scheme != "http" or not parsed.hostname or parsed.port is None:
+        try:  # urlsplit and .port raise ValueError on "[::1" or a port like "²" or 99999999
+            parsed = urllib.parse.urlsplit(address if "://" in address else f"http://{address}")
+            port = parsed.port
+        except ValueError:
+            port = None
+        if port is None or parsed.scheme != "http" or not parsed.hostname:
             raise UsageError(f"hub address {address!r} must be host:port (as `weighthub serve hub` prints)")
         if not timeout > 0:
             raise UsageError(f"hub timeout must be > 0 seconds, got {timeout}")
-        self.address = f"{parsed.hostname}:{parsed.port}"
-        self._host, self._port = parsed.hostname, parsed.port
+        self.address = f"{parsed.hostname}:{port}"
+        self._host, self._port = parsed.hostname, port
         self._secret = secret
         self.timeout = timeout
         self.labels = labels or Labels()
@@ -125,23 +130,31 @@ class HubClient:
 
     # -- holders -----------------------------------------------------------------------------
     def register(self, holder_id: str, address: str, *, versions: Iterable[int] = (), load: int = 0,
-                 subscribe: bool = False, dense: bool = False) -> dict[str, Any]:
+                 subscribe: bool = False, dense: bool = False,
+                 serving: Iterable[int] = ()) -> dict[str, Any]:
         """Register this node as a holder (its chunk server at `address`) with a fresh lease.
 
-        `dense`: its chunk server serves dense reads (the bits of the version it holds) to
-        joining nodes; the hub lists only such holders to a join.
+        `versions`: those whose chunks it serves. `dense`: its chunk server serves dense reads
+        (the bits of the version it holds) to joining nodes; `serving`: the versions it can
+        serve them of now (committed, server up, not being replaced; `set_serving` keeps it
+        current). The hub lists a holder to a join of v only while v is in `serving`.
 
         Returns the hub's reply: {lease_ttl, latest, release: [held versions the hub released]}.
         """
         with self._lock:
             self._me = {"id": holder_id, "address": address, "labels": self.labels.to_dict(),
                         "versions": sorted(set(versions)), "load": load, "subscribe": subscribe,
-                        "dense": dense}
+                        "dense": dense, "serving": sorted(set(serving))}
         return self.heartbeat()
 
     def set_versions(self, versions: Iterable[int]) -> None:
         with self._lock:
             self._registered()["versions"] = sorted(set(versions))
+
+    def set_serving(self, versions: Iterable[int]) -> None:
+        """The versions whose dense bits it serves now (said by the next heartbeat)."""
+        with self._lock:
+            self._registered()["serving"] = sorted(set(versions))
 
     def set_load(self, load: int) -> None:
         with self._lock:
@@ -221,7 +234,7 @@ class HubClient:
             `version` is not committed there); FormatError for a manifest that does not parse.
         """
         key = catalog.rep_key(version, None, primary=True)
-        raw = store.get(key) if manifest is None else manifest
+        raw = store.get(key, max_bytes=MAX_MANIFEST_BYTES) if manifest is None else manifest
         m = decode_manifest(raw, where=f"{store.url}/{key}")
         return self.announce(version, manifest_key=key, store_url=store.url, model_id=m.model,
                              root=m.root, publisher=publisher, manifest_sha256=chunk_checksum(raw))

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..errors import ModelMismatch, UsageError, VersionError, VersionNotFound
+from ..errors import LimitError, ModelMismatch, UsageError, VersionError, VersionNotFound
+from ..net.wire import parse_addr
 from .hubstate import HolderRecord, HubDB, VersionRecord
 from .plan import MAX_DEGREE, Node, RelayTree, plan_tree, replan
 from .topology import Candidate, Labels, rank
@@ -80,6 +81,9 @@ class _Holder:
     record: HolderRecord
     load: int
     expires: float  # on the hub's monotonic clock
+    # versions whose dense bits it serves now: a liveness fact like the lease (not stored, so
+    # a restarted hub offers a holder to joiners only once it says so again)
+    serving: tuple[int, ...] = ()
 
 
 def _field(doc: Mapping[str, Any], name: str, kind: type[T], *, required: bool = True,
@@ -103,6 +107,13 @@ def _int(doc: Mapping[str, Any], name: str, lo: int, hi: int, **kw: Any) -> int:
     return value
 
 
+def _versions(doc: Mapping[str, Any], name: str) -> tuple[int, ...]:
+    held = _field(doc, name, list, required=False, default=[])
+    if len(held) > MAX_HELD or not all(type(v) is int and 0 <= v <= MAX_VERSION for v in held):
+        raise UsageError(f"field {name!r} must be a list of at most {MAX_HELD} version numbers")
+    return tuple(sorted(set(held)))
+
+
 def _sha256(doc: Mapping[str, Any], name: str) -> str | None:
     value = _field(doc, name, str, required=False)
     if value is not None and (len(value) != 64 or not set(value) <= _SHA256_HEX):
@@ -115,6 +126,17 @@ def _str(doc: Mapping[str, Any], name: str, limit: int, **kw: Any) -> str:
     if value is not None and not 0 < len(value) <= limit:
         raise UsageError(f"field {name!r} must be 1..{limit} characters, got {len(value)}")
     return value
+
+
+def _address(doc: Mapping[str, Any]) -> str:
+    """The holder's chunk-server address, checked as peers will parse it: the hub hands it out."""
+    address = _str(doc, "address", MAX_ADDRESS)
+    try:
+        parse_addr(address)
+    except LimitError as exc:
+        raise UsageError(f"field 'address' {address!r} must be host:port where the holder "
+                         "serves chunks") from exc
+    return address
 
 
 class Hub:
@@ -237,12 +259,10 @@ class Hub:
 
         Returns the lease TTL, the latest version, and which of its versions the hub released.
         """
-        held = _field(doc, "versions", list, required=False, default=[])
-        if len(held) > MAX_HELD or not all(type(v) is int and 0 <= v <= MAX_VERSION for v in held):
-            raise UsageError(f"field 'versions' must be a list of at most {MAX_HELD} version numbers")
-        rec = HolderRecord(id=_str(doc, "id", MAX_ID), address=_str(doc, "address", MAX_ADDRESS),
+        held, serving = _versions(doc, "versions"), _versions(doc, "serving")
+        rec = HolderRecord(id=_str(doc, "id", MAX_ID), address=_address(doc),
                            labels=Labels.from_dict(_field(doc, "labels", dict, required=False)),
-                           versions=tuple(sorted(set(held))),
+                           versions=held,
                            subscribed=_field(doc, "subscribe", bool, required=False, default=False),
                            dense=_field(doc, "dense", bool, required=False, default=False))
         load = _int(doc, "load", 0, MAX_LOAD, required=False, default=0)
@@ -250,9 +270,11 @@ class Hub:
         if current is None or current.record != rec:
             async with self._lock:
                 await self._run(self.db.put_holder, rec)
-                self.holders[rec.id] = _Holder(rec, load, self._clock() + self.config.lease_ttl)
-        else:  # a plain heartbeat: lease and load live in memory only
+                self.holders[rec.id] = _Holder(rec, load, self._clock() + self.config.lease_ttl,
+                                               serving)
+        else:  # a plain heartbeat: lease, load and what it serves live in memory only
             current.load, current.expires = load, self._clock() + self.config.lease_ttl
+            current.serving = serving
         released = [v for v in rec.versions
                     if v in self.versions and self.versions[v].released_at is not None]
         return {"lease_ttl": self.config.lease_ttl, "latest": self.latest_version(), "release": released}
@@ -285,6 +307,7 @@ class Hub:
         return {"holders": [{"id": h.record.id, "address": h.record.address,
                              "labels": h.record.labels.to_dict(), "versions": list(h.record.versions),
                              "load": h.load, "subscribed": h.record.subscribed, "dense": h.record.dense,
+                             "serving": list(h.serving),
                              "lease_left": round(h.expires - now, 3)}
                             for h in sorted(self.live_holders(), key=lambda h: h.record.id)]}
 
@@ -292,8 +315,10 @@ class Hub:
         """Where to get `key` of `version`: live holders of it ranked for the asker, then the store.
 
         A version being relayed (it has a plan) but not yet committed has holders, no store entry.
-        With `dense` true only holders that declared they serve dense reads are listed (a joining
-        node asks for those; others, e.g. a publisher, would only refuse it).
+        With `dense` true only holders that declared they serve dense reads, and said they serve
+        `version`'s now (committed, not being replaced), are listed: a joining node asks for
+        those; others (a publisher, a node that only has the version's chunks or is applying
+        it) would only refuse it.
         """
         v = _int(doc, "version", 0, MAX_VERSION)
         key = _str(doc, "key", MAX_KEY)
@@ -305,7 +330,7 @@ class Hub:
             rec = self._retained(v)
         cands = [Candidate(h.record.id, h.record.address, h.record.labels, h.load)
                  for h in self.live_holders() if v in h.record.versions and h.record.id != asker
-                 and (h.record.dense or not dense)]
+                 and (not dense or (h.record.dense and v in h.serving))]
         out = [{"id": c.id, "address": c.address, "tier": t, "load": c.load}
                for c, t in rank(cands, labels, key)]
         if rec is not None:

@@ -4,6 +4,10 @@ A `HubDB` is used from one thread at a time (the hub runs every call on its sing
 so the event loop never blocks on disk). WAL journal with synchronous=FULL: a version the hub
 acknowledged survives kill -9 and power loss. Leases are not stored: they restart from the hub's
 start time, so a holder that died while the hub was down is offered for one TTL at most.
+Nor is what a holder *serves* now (the versions whose dense bits it can hand a joiner, apart
+from the versions it registered as holding chunks of): it is as volatile as the lease, lives
+beside it in the hub's memory (`hubcore`), and a restarted hub offers no holder to joiners
+until its next heartbeat says what it serves.
 
 Schema (version 2; a version-1 database is upgraded in place when opened):
     versions(version PK, manifest_key, store_url, model_id, root, publisher, committed_at, released_at,

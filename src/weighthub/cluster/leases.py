@@ -18,16 +18,23 @@ Protocol:
              old version is gone and reads of it are refused, naming the version now held.
 Each read copies its range out under the in-flight count, so the bytes sent are the held
 version's even if the apply starts right after the copy.
+
+Distrust: when the node finds its held bits modified outside weighthub (`baseguard`), it calls
+`distrust(reason)`: reads are refused from then on (naming the reason), the target claims to
+hold nothing (so the receiver re-materializes it), until the next commit. `on_change` is told
+whenever the version served by dense reads may have changed (an apply begins, distrust), so the
+node can tell the hub at once rather than at its next heartbeat.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
-from ..errors import LimitError, PeerRefused
+from ..errors import LimitError, PeerRefused, WeighthubError
 from ..targets.base import Held, Target, TargetWrapper
 from ..tensors import TensorSpec
 
@@ -39,12 +46,16 @@ class ReadLeases:
         target: the holder's live target (its `held()` version is what dense reads serve).
         ttl_s: a lease not renewed for this long expires.
         wait_s: longest an apply waits for open leases.
+        on_change: called (no lock held) when dense reads stop serving what they served.
     """
 
-    def __init__(self, target: Target, *, ttl_s: float = 30.0, wait_s: float = 30.0) -> None:
+    def __init__(self, target: Target, *, ttl_s: float = 30.0, wait_s: float = 30.0,
+                 on_change: Callable[[], None] | None = None) -> None:
         self.target = target
         self.ttl_s = ttl_s
         self.wait_s = wait_s
+        self.on_change = on_change or (lambda: None)
+        self.distrusted: str | None = None  # why the held bits are not served (see module doc)
         self._cond = threading.Condition()
         self._leases: dict[str, float] = {}  # lease id -> expiry (monotonic)
         self._inflight = 0
@@ -53,8 +64,27 @@ class ReadLeases:
         self.last_wait_s = 0.0  # how long the last begin_apply waited for readers
 
     def held_versions(self) -> list[int]:
-        held = self.target.held()
+        """The version dense reads serve now: none while applying or distrusted."""
+        held = self._held()
         return [] if held is None or self._applying else [held.version]
+
+    def _held(self) -> Held | None:
+        if self.distrusted is not None:
+            return None
+        try:
+            return self.target.held()
+        except WeighthubError:  # e.g. the file changed behind us: nothing trusted to serve
+            return None
+
+    def distrust(self, reason: str) -> None:
+        """Serve no dense reads of the held bits (modified outside weighthub) until `trust()`."""
+        with self._cond:
+            self.distrusted = reason
+        self.on_change()
+
+    def trust(self) -> None:
+        with self._cond:
+            self.distrusted = None
 
     def read(self, version: int, lease: str, tensor: str, start: int, stop: int) -> bytes:
         """Bytes [start, stop) of `tensor`'s canonical bits at `version`, under `lease`.
@@ -67,8 +97,11 @@ class ReadLeases:
         if not lease:
             raise LimitError("dense read without a lease id")
         with self._cond:
-            held = self.target.held()
+            held = self._held()
             now = time.monotonic()
+            if self.distrusted is not None:
+                raise PeerRefused(f"serving nothing, asked for dense version {version}: this "
+                                  f"holder's bits are being re-materialized ({self.distrusted})")
             if self._applying or held is None or held.version != version:
                 have = "nothing" if held is None or self._applying else f"version {held.version}"
                 raise PeerRefused(f"serving {have}, asked for dense version {version}")
@@ -115,7 +148,8 @@ class ReadLeases:
             self._pending = False
             self._applying = True
             self.last_wait_s = now - started
-            return not live
+        self.on_change()
+        return not live
 
     def end_apply(self) -> None:
         with self._cond:
@@ -128,13 +162,27 @@ class LeasedTarget(TargetWrapper):
 
     The Receiver calls open() at the start of its apply (inside its lock) and always ends with
     commit() or abort(); those bracket the window in which dense reads are refused. Reads
-    (held, specs, peek) go to the inner target unchanged.
+    (held, specs, peek) go to the inner target unchanged, except while the leases distrust the
+    held bits: then it holds nothing, so the next transaction is a full representation.
     """
 
     def __init__(self, target: Target, leases: ReadLeases) -> None:
         super().__init__(target)
         self.leases = leases
         self.last_wait_clean = True
+        self._own = target  # the inner target outside a re-materialization
+
+    def rematerialize(self, reason: str, via: Target | None = None) -> None:
+        """Hold nothing (and serve nothing) until the next commit; `via`: the inner target to
+        write that commit through (one that re-materializes what the usual one refuses)."""
+        self.leases.distrust(reason)
+        self.inner = via or self._own
+
+    def held(self) -> Held | None:
+        return None if self.leases.distrusted is not None else self.inner.held()
+
+    def specs(self) -> list[TensorSpec] | None:
+        return None if self.leases.distrusted is not None else self.inner.specs()
 
     def open(self, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
         self.last_wait_clean = self.leases.begin_apply()
@@ -143,6 +191,8 @@ class LeasedTarget(TargetWrapper):
     def commit(self, held: Held) -> None:
         try:
             self.inner.commit(held)
+            self.inner = self._own
+            self.leases.trust()
         finally:
             self.leases.end_apply()
 

@@ -4,33 +4,36 @@ One node = one target (a safetensors file/directory, or an in-memory state dict)
 latest committed version, and one ChunkServer that makes it a source for others:
 
     register   with the hub as a subscribed holder (its chunk server's address and topology
-               labels) that serves dense reads; a heartbeat thread renews the lease and reports
-               the versions it serves
-    follow     a relayed manifest (the publisher pushes it down the relay tree after the
-               commit) wakes the node at once; otherwise it polls the hub's latest version every
-               `poll_s` (a slow fallback: nodes outside the tree, a missed push, a dead hub), or
-               the store's listing when the hub does not answer or knows no version yet (a
-               normal state, not warned about: nothing was announced, e.g. versions published
-               without `--hub`; once the hub knows one, its latest is followed, so publish
-               every version with `--hub`). A relayed manifest is used only
-               if it hashes to the SHA-256 the hub recorded for that version: then a one-step
-               refit reads nothing from the store (`RelayedManifests.trusted_route`)
+               labels); a heartbeat thread renews the lease and reports the versions whose
+               chunks it serves and, apart, the one whose dense bits it serves now (none while
+               applying, before its first check, or distrusted): joiners are sent only there
+    follow     a relayed manifest (pushed down the relay tree after the commit) wakes the node
+               at once; else it polls the hub's latest version every `poll_s`, or the store's
+               listing when the hub does not answer or knows no version yet (a normal state:
+               publish every version with `--hub`). A relayed manifest is used only if it
+               hashes to the SHA-256 the hub recorded: then a one-step refit reads nothing
+               from the store (`RelayedManifests.trusted_route`)
+    guard      before every apply and poll the target's files are stat'ed against the node's
+               last commit; every `full_check_versions` versions / `full_check_s` seconds (and
+               first after a start) all its bits are digested against the held root
+               (`baseguard`). Bits modified outside weighthub are reported ("base_modified"),
+               no longer served, and re-materialized like a join (holders, else the store)
+               before any delta is applied on top
     sync       no weights yet: elastic join, the version's dense bits striped over the nearest
                holders (`join`), else from the store; then each new version through a Receiver
                whose sources are: the node's cache (chunks a relay parent pushed) -> holders
                ranked by the hub (`peers`) -> the store. All or nothing: a failed sync leaves
-               the previous committed version in place and is reported (event "error"), then
-               retried
+               the previous version in place, is reported (event "error") and retried
     relay      pushed chunks are forwarded cut-through to the children the publisher's push
                names (the hub's relay tree) and staged in the cache by the ChunkServer
-    serve      chunks of every version it fetched or was pushed, until the hub releases the
-               version; dense ranges of the version it holds, under read leases: its next
-               apply waits (bounded) until readers finish, so it never changes bits a reader
-               is reading (`leases`)
+    serve      chunks of every version it fetched or was pushed, until the hub releases it;
+               dense ranges of the version it holds, under read leases: its next apply waits
+               (bounded) until readers finish, so it never changes bits being read (`leases`)
 
 Events (`on_event`; the CLI prints them, one JSON object per line with --json): "listening",
-"synced" {version, root, how: join|delta|store, seconds, bytes, stats}, "error" {version,
-held, error}, "released" {versions}.
+"synced" {version, root, how: join|delta|store, seconds, bytes, stats, rematerialized},
+"base_modified" {version, check: stat|full, detail}, "error" {version, held, error},
+"released" {versions}.
 """
 
 from __future__ import annotations
@@ -43,13 +46,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import catalog
-from ..errors import NetError, NoSyncPath, UsageError, VersionNotFound, WeighthubError
+from ..errors import BaseMismatch, NetError, NoSyncPath, UsageError, VersionNotFound, WeighthubError
 from ..net.client import Timeouts
 from ..net.server import ChunkServer, key_version
 from ..receive import Receiver, SyncResult
 from ..sources import ChunkId, SourceList, StoreCache, StoreSource
 from ..store import Store
 from ..targets.base import Target
+from .baseguard import BaseGuard, rematerializing
 from .hubclient import HubClient
 from .join import join_from_holders
 from .leases import LeasedTarget, ReadLeases
@@ -73,6 +77,9 @@ class NodeConfig:
     host: str = "127.0.0.1"
     port: int = 0
     lease_wait_s: float = 30.0  # longest an apply waits for dense readers
+    # a full digest check of the held bits every N versions / S seconds (0: not by that rule)
+    full_check_versions: int = 16
+    full_check_s: float = 1800.0
 
     def __post_init__(self) -> None:
         if not self.node_id:
@@ -82,6 +89,9 @@ class NodeConfig:
                              f"{self.timeout}, {self.poll_s}")
         if not 1 <= self.stripes <= 64:
             raise UsageError(f"--fanout (join stripes) must be in 1..64, got {self.stripes}")
+        if not 0 <= self.full_check_versions <= 1_000_000 or not 0 <= self.full_check_s <= 1e7:
+            raise UsageError(f"--full-check-versions and --full-check-s must be ≥ 0 (0: never by "
+                             f"that rule), got {self.full_check_versions}, {self.full_check_s}")
 
     @property
     def peer_timeouts(self) -> Timeouts:
@@ -110,8 +120,10 @@ class Node:
         self.cache = cache
         self.secret = secret
         self.on_event = on_event or (lambda _e: None)
-        self.leases = ReadLeases(target, wait_s=config.lease_wait_s)
+        self.leases = ReadLeases(target, wait_s=config.lease_wait_s, on_change=self._tell_hub)
         self.target = LeasedTarget(target, self.leases)
+        self.guard = BaseGuard(target, every_versions=config.full_check_versions,
+                               every_s=config.full_check_s)
         self.server = ChunkServer(cache, secret, leases=self.leases, host=config.host,
                                   port=config.port, io_timeout=config.timeout,
                                   request_timeout=max(60.0, 4 * config.timeout),
@@ -131,18 +143,23 @@ class Node:
         self._hub_down_until = 0.0
         self._wake = threading.Event()  # set by a relayed manifest
         self._digests: dict[int, str] = {}  # version -> manifest SHA-256 the hub recorded
+        self._told: tuple[list[int], list[int]] | None = None  # (versions, serving) last told
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> Node:
         self.server.start()
-        held = self.target.held()
+        try:
+            held = self.target.held()
+        except BaseMismatch:  # modified while the node was down: the first check reports it
+            held = None
         if held is not None:
             self.server.serve(held.version)
         if self.hub is not None:
             self.hub.on_release = self._released
-            try:  # a hub that is down now is retried by the heartbeat (an upsert)
+            try:  # a hub that is down now is retried by the heartbeat; dense: after a check
                 self.hub.register(self.config.node_id, self.server.address,
-                                  versions=self.server.versions(), subscribe=True, dense=True)
+                                  versions=self.server.versions(), subscribe=True, dense=True,
+                                  serving=())
             except WeighthubError as exc:
                 log.warning("node %s: hub %s: %s; following the store until it answers",
                             self.config.node_id, self.hub.address, exc)
@@ -180,18 +197,27 @@ class Node:
             self._wake.clear()
             if self._stop.is_set():
                 return
-            delay = self.config.poll_s
             try:
-                latest = self._latest()
-            except WeighthubError as exc:
-                log.warning("node %s: cannot learn the latest version: %s", self.config.node_id, exc)
+                delay = self.config.poll_s if self._step() else min(5.0, 4 * self.config.poll_s)
+            except Exception as exc:  # a bug or an odd target must not end following silently
+                log.exception("node %s: following failed; retrying", self.config.node_id)
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                self.on_event({"event": "error", "version": None, "held": None, "error": self.last_error})
                 delay = min(5.0, 4 * self.config.poll_s)
-                continue
+
+    def _step(self) -> bool:
+        """Check the held bits, learn the latest version, sync to it. False: retry soon."""
+        try:
+            latest = self._latest()
+            self._check_base()
             held = self.target.held()
-            if latest is None or (held is not None and held.version >= latest):
-                continue
-            if not self.sync_to(latest):
-                delay = min(5.0, 4 * self.config.poll_s)  # retried: the next poll tries again
+        except WeighthubError as exc:
+            log.warning("node %s: cannot learn the latest version or check the held one: %s",
+                        self.config.node_id, exc)
+            return False
+        if latest is None or (held is not None and held.version >= latest):
+            return True
+        return self.sync_to(latest)  # False: retried at the next poll
 
     def _latest(self) -> int | None:
         """The hub's latest version (and its manifest digest); the store's when the hub fails."""
@@ -207,13 +233,10 @@ class Node:
                 self._hub_failed(exc)
         return catalog.latest_version(self.backing)
 
-    def _relayed(self, version: int) -> bytes | None:
-        return relayed_manifest(self.cache, version, self._digests.get(version),
-                                where=f"node {self.config.node_id}")
-
     def _delta(self, version: int, held: int) -> SyncResult:
         """A Receiver sync: from the relayed manifest when it is one step from `held`, else the store."""
-        raw = self._relayed(version)
+        raw = relayed_manifest(self.cache, version, self._digests.get(version),
+                               where=f"node {self.config.node_id}")
         if raw is not None:
             try:
                 with self.manifests.trusted_route({version: raw}):
@@ -233,12 +256,27 @@ class Node:
         log.warning("node %s: hub failed (%s); using the store %s meanwhile",
                     self.config.node_id, exc, self.backing.url)
 
+    def _check_base(self) -> None:
+        """The guard's check (module doc): on a finding, report, stop serving, re-materialize."""
+        if self.leases.distrusted is not None:
+            return  # found already: re-materializing
+        finding = self.guard.check()
+        if finding is None:
+            self._tell_hub()  # a no-op unless what it serves changed (the first check proved it)
+            return
+        log.error("node %s: re-materializing: %s", self.config.node_id, finding.detail)
+        self.target.rematerialize(finding.detail, via=rematerializing(self.guard.target))
+        self.on_event({"event": "base_modified", "version": finding.version,
+                       "check": finding.check, "detail": finding.detail})
+
     def sync_to(self, version: int) -> bool:
         """Bring the target to `version` (see module docstring). False (and an event) on failure."""
-        held = self.target.held()
         t0 = time.perf_counter()
         before = self.stats()
         try:
+            self._check_base()
+            held = self.target.held()
+            rematerialized = self.leases.distrusted is not None
             if held is None:
                 how, nbytes, served, extra = self._join(version)
             else:
@@ -246,23 +284,25 @@ class Node:
                 how, nbytes, extra = "delta", result.bytes_fetched, {"pause_s": result.pause_seconds}
                 served = {key_version(k) for k in result.route}
         except WeighthubError as exc:
-            now = self.target.held()
+            still = self.leases.held_versions()  # nothing while distrusted
             self.last_error = f"{type(exc).__name__}: {exc}"
             log.error("node %s: sync to version %d failed, still at %s: %s", self.config.node_id,
-                      version, now.version if now else "nothing", self.last_error)
+                      version, still[0] if still else "nothing", self.last_error)
             self.on_event({"event": "error", "version": version,
-                           "held": now.version if now else None, "error": self.last_error})
+                           "held": still[0] if still else None, "error": self.last_error})
             return False
         self.last_error = None
+        now = self.target.held()
+        if now is not None:
+            self.guard.committed(now)
         for v in served | {version}:
             self.server.serve(v)
         self._tell_hub()
         stats = {k: v - before[k] for k, v in self.stats().items()}
-        now = self.target.held()
         self.on_event({"event": "synced", "version": version, "root": now.root if now else None,
                        "from": held.version if held else None, "how": how, "bytes": nbytes,
                        "seconds": round(time.perf_counter() - t0, 4), "stats": stats,
-                       "pushed": self.pushed, **extra})
+                       "pushed": self.pushed, "rematerialized": rematerialized, **extra})
         return True
 
     def _join(self, version: int) -> tuple[str, int, set[int], dict[str, Any]]:
@@ -314,10 +354,16 @@ class Node:
             self._wake.set()  # a relayed manifest: the version is committed, sync now
 
     def _tell_hub(self) -> None:
+        """Tell the hub what it serves now if that changed (also from ReadLeases.on_change)."""
         if self.hub is None:
             return
         hub = self.hub
-        hub.set_versions(self.server.versions())
+        told = (self.server.versions(), self.leases.held_versions())
+        if told == self._told:
+            return
+        self._told = told
+        hub.set_versions(told[0])
+        hub.set_serving(told[1])
         if not self._hub_up():
             return  # the heartbeat thread tells it when it is back
 
@@ -350,15 +396,3 @@ def _delete_tree(store: Store, prefix: str) -> None:
                 store.delete(key)
     except WeighthubError as exc:  # a cache we cannot clean only costs space
         log.warning("could not drop %s from the node cache: %s", prefix, exc)
-
-
-# -- command line -------------------------------------------------------------------------------
-def parse_labels(text: str) -> Labels:
-    """'region=a,zone=z1,host=h1' -> Labels. Raises UsageError."""
-    doc: dict[str, str] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, sep, value = part.partition("=")
-        if not sep:
-            raise UsageError(f"--labels: {part!r} is not name=value (e.g. region=a,zone=z1,host=h1)")
-        doc[name.strip()] = value.strip()
-    return Labels.from_dict(doc, where="--labels")

@@ -22,7 +22,8 @@ from ..net.auth import load_secret
 from ..store import LocalStore, open_store
 from ..targets.base import Target
 from .hubclient import HubClient
-from .node import Node, NodeConfig, parse_labels
+from .node import Node, NodeConfig
+from .topology import parse_labels
 
 MEMORY_TARGET = "memory://"
 
@@ -48,6 +49,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--poll", type=float, default=2.0, metavar="S",
                    help="how often the hub is asked for the latest version (default 2); a relayed "
                         "manifest wakes the node at once, so this is the fallback")
+    p.add_argument("--full-check-versions", type=int, default=16, metavar="N",
+                   help="digest all of OUT against the version it holds every N versions, to "
+                        "find edits made outside weighthub that a stat cannot see (default 16; "
+                        "0: not by count); a stat is checked before every apply anyway")
+    p.add_argument("--full-check-s", type=float, default=1800.0, metavar="S",
+                   help="... and every S seconds (default 1800; 0: not by time)")
     p.add_argument("--cache", default=None, metavar="DIR",
                    help="chunk cache served to peers (default: next to OUT, or a temp dir)")
     p.add_argument("--endpoint-url", default=None, metavar="URL", help="S3 endpoint for s3:// stores")
@@ -73,7 +80,8 @@ def run_from_args(args: argparse.Namespace) -> None:
     labels = parse_labels(args.labels)
     config = NodeConfig(node_id=args.id or f"{socket.gethostname()}:{os.getpid()}", labels=labels,
                         timeout=args.timeout, poll_s=args.poll, stripes=args.fanout,
-                        host=args.host, port=args.port)
+                        host=args.host, port=args.port, full_check_versions=args.full_check_versions,
+                        full_check_s=args.full_check_s)
     secret = load_secret(args.secret_file)
     backing = open_store(args.store, **({"endpoint_url": args.endpoint_url} if args.endpoint_url else {}))
     target, cache_dir = _target(args.out)

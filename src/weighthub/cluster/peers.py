@@ -34,7 +34,8 @@ class HolderStats:
 
 
 class PeerSource:
-    """One holder's chunk server as a source. Each request waits ≤ min(its timeouts, timeout)."""
+    """One holder's chunk server as a source. Each request waits ≤ min(its timeouts, timeout)
+    and takes no body longer than the chunk's size in its manifest."""
 
     def __init__(self, addr: str, secret: bytes, *, timeouts: Timeouts = FETCH_TIMEOUTS) -> None:
         self.addr = addr
@@ -45,7 +46,9 @@ class PeerSource:
     def get_chunk(self, ref: ChunkId, *, timeout: float) -> bytes:
         t = self.timeouts
         bounded = Timeouts(min(t.connect, timeout), min(t.io, timeout), min(t.deadline, timeout))
-        return PeerClient(self.addr, self.secret, timeouts=bounded).get(ref.key)
+        # an answer longer than the manifest's chunk is refused before its body is received
+        return PeerClient(self.addr, self.secret, timeouts=bounded,
+                          max_body=ref.size).get(ref.key)
 
 
 class HolderSource:

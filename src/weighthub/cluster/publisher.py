@@ -80,8 +80,9 @@ class _CommitHook:
             self.on_commit(bytes(data))  # every chunk is stored; anchors written after it stay local
         self.tee.put(key, data, create_only=create_only)
 
-    def get(self, key: str, *, timeout: float | None = None) -> bytes:
-        return self.backing.get(key, timeout=timeout)
+    def get(self, key: str, *, timeout: float | None = None,
+            max_bytes: int | None = None) -> bytes:
+        return self.backing.get(key, timeout=timeout, max_bytes=max_bytes)
 
     def get_range(self, key: str, start: int, stop: int, *, timeout: float | None = None) -> bytes:
         return self.backing.get_range(key, start, stop, timeout=timeout)

@@ -92,8 +92,8 @@ class RelayTee:
         self._pool.shutdown(wait=True)
 
     # -- everything else is the backing store's ---------------------------------------------
-    def get(self, key: str) -> bytes:
-        return self.backing.get(key)
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        return self.backing.get(key, max_bytes=max_bytes)
 
     def get_range(self, key: str, start: int, stop: int) -> bytes:
         return self.backing.get_range(key, start, stop)

@@ -19,9 +19,10 @@ import threading
 from collections.abc import Iterator, Mapping
 
 from .. import catalog
-from ..errors import StoreError, UsageError
+from ..errors import LimitError, StoreError, UsageError
 from ..format import chunk_checksum
-from ..store.base import Readable, Store
+from ..format.manifest import MAX_MANIFEST_BYTES
+from ..store.base import Readable, Store, check_max_bytes, too_large
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +61,18 @@ class RelayedManifests:
                 self._trusted, self._listing = {}, None
 
     # -- reads -----------------------------------------------------------------------------------
-    def get(self, key: str, *, timeout: float | None = None) -> bytes:
+    def get(self, key: str, *, timeout: float | None = None,
+            max_bytes: int | None = None) -> bytes:
+        check_max_bytes(max_bytes, f"get {key!r} in {self.url}")
         with self._lock:
             trusted = self._trusted.get(key)
             if trusted is not None:
                 self.relayed += 1
-        return trusted if trusted is not None else self.backing.get(key, timeout=timeout)
+        if trusted is None:
+            return self.backing.get(key, timeout=timeout, max_bytes=max_bytes)
+        if max_bytes is not None and len(trusted) > max_bytes:
+            raise too_large(len(trusted), max_bytes, f"get {key!r} (relayed) in {self.url}")
+        return trusted
 
     def get_range(self, key: str, start: int, stop: int, *, timeout: float | None = None) -> bytes:
         with self._lock:
@@ -102,8 +109,8 @@ def relayed_manifest(cache: Readable, version: int, digest: str | None, *,
     if digest is None:
         return None
     try:
-        raw = cache.get(catalog.rep_key(version, None, primary=True))
-    except StoreError:
+        raw = cache.get(catalog.rep_key(version, None, primary=True), max_bytes=MAX_MANIFEST_BYTES)
+    except (StoreError, LimitError):  # oversized counts as not relayed: the store has it
         return None  # not relayed (or not yet): the store has it
     got = chunk_checksum(raw)
     if got != digest:

@@ -97,3 +97,14 @@ def rank(candidates: Iterable[Candidate], asker: Labels, key: str) -> list[tuple
         return (tier(asker, c.labels), c.load, spread, c.id)
 
     return [(c, TIERS[tier(asker, c.labels)]) for c in sorted(candidates, key=order)]
+
+
+def parse_labels(text: str) -> Labels:
+    """'region=a,zone=z1,host=h1' (a command line's --labels) -> Labels. Raises UsageError."""
+    doc: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        if not sep:
+            raise UsageError(f"--labels: {part!r} is not name=value (e.g. region=a,zone=z1,host=h1)")
+        doc[name.strip()] = value.strip()
+    return Labels.from_dict(doc, where="--labels")

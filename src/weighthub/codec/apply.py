@@ -8,6 +8,7 @@ compiles once per word width.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import numpy as np
@@ -23,16 +24,21 @@ _NO_SUM = np.zeros(0, np.uint64)  # a digest sum not wanted (the kernels test it
 
 
 def _read_varint(buf: np.ndarray, i: int, where: str) -> tuple[int, int]:
+    """(value, next index) of the varint at i: at most 10 bytes and below 2^64 (spec §2)."""
     v, shift = 0, 0
     while True:
-        if i >= buf.size or shift > 63:
-            raise FormatError(f"{where}: corrupt group table")
+        if i >= buf.size:
+            raise FormatError(f"{where}: corrupt group table: it ends inside a varint")
         c = int(buf[i])
         i += 1
         v |= (c & 0x7F) << shift
         if c < 0x80:
+            if v >> 64:  # the 10th byte carries bit 63 only
+                raise FormatError(f"{where}: corrupt group table: a varint over 2^64-1")
             return v, i
         shift += 7
+        if shift > 63:
+            raise FormatError(f"{where}: corrupt group table: a varint longer than 10 bytes")
 
 
 def _group_table(seg: Segment, dtype: DType, where: str) -> tuple[np.ndarray, np.ndarray, int]:
@@ -49,15 +55,15 @@ def _group_table(seg: Segment, dtype: DType, where: str) -> tuple[np.ndarray, np
     for _ in range(2 * ngroups):
         v, i = _read_varint(buf, i, where)
         head.append(v)
-    keys = np.asarray(head[0::2], np.int64)
-    counts = np.asarray(head[1::2], np.int64)
-    if (keys > dtype.exponent_mask).any() or (np.diff(keys) <= 0).any():
+    # checked as Python ints, before they become int64 arrays (a 2^64-1 would not fit)
+    keys, counts = head[0::2], head[1::2]
+    if any(k > dtype.exponent_mask for k in keys) or any(a >= b for a, b in itertools.pairwise(keys)):
         raise FormatError(f"{where}: group keys out of range, repeated or not increasing")
-    if (counts < 1).any():
+    if any(c < 1 for c in counts):
         raise FormatError(f"{where}: a position group with no changes")
-    if int(counts.sum()) != seg.count:
-        raise FormatError(f"{where}: group counts sum to {int(counts.sum())}, header says {seg.count}")
-    return keys, counts, i
+    if sum(counts) != seg.count:
+        raise FormatError(f"{where}: group counts sum to {sum(counts)}, header says {seg.count}")
+    return np.asarray(keys, np.int64), np.asarray(counts, np.int64), i
 
 
 def _check_sparse(seg: Segment, dtype: DType, words: np.ndarray, where: str) -> None:

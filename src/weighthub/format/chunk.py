@@ -6,7 +6,10 @@
     trailer  8 bytes    xxh3-64 of everything before it
 
 Everything declared in the header and table is checked against limits and against each other
-before any buffer of that size is allocated or decompressed.
+before any buffer of that size is allocated or decompressed. The decompressed size is capped by
+the caller's `max_body`: a receiver passes `body_bound`, what the chunk's coverage in its
+manifest admits, so a frame declaring a 1 GiB body for a few KiB of words is refused
+(LimitError) before anything is allocated for it.
 """
 
 from __future__ import annotations
@@ -34,6 +37,27 @@ assert _HEADER.size == 32 and _SEGMENT.size == 48
 MAX_SEGMENTS = 1 << 20
 MAX_BODY_BYTES = 4 << 30  # decompressed body of one chunk
 ZSTD_LEVEL = 1
+MAX_VARINT_BYTES = 10  # readers refuse a longer varint (spec §2)
+
+
+def body_bound(words: list[tuple[int, int]], frame_size: int, *, full: bool) -> int:
+    """The largest decompressed body a reader accepts for a chunk covering `words`:
+    (elements, bytes per element) pairs, one per covered range or box, of a frame of
+    `frame_size` bytes (its manifest's size). Capped at MAX_BODY_BYTES.
+
+    A full representation's chunk holds dense words only, exactly its coverage: Σ n·W (plus
+    frame_size, so a body only slightly off is left to the segment checks, which say precisely
+    what is wrong). A delta's segment spends, per element of its range at most, one position
+    varint, one value (a W-byte word or a varint) and, with exponent-grouped positions, one
+    (key, count) pair of varints (a group holds at least one element), plus one varint (the
+    group count) per segment, of which the frame's table holds at most frame_size / 48.
+    """
+    if full:
+        total = sum(n * w for n, w in words) + frame_size
+    else:
+        total = sum(n * (3 * MAX_VARINT_BYTES + max(w, MAX_VARINT_BYTES)) for n, w in words)
+        total += MAX_VARINT_BYTES * (frame_size // _SEGMENT.size)
+    return min(total, MAX_BODY_BYTES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +131,10 @@ def decode_chunk(buf: bytes | memoryview, *, where: str, max_body: int = MAX_BOD
         raise FormatError(f"{where}: lengths do not add up: header {_HEADER.size} + table "
                           f"{nseg}×{_SEGMENT.size} + body {stored_len} + trailer != {mv.nbytes}")
     if raw_len > max_body:
-        raise LimitError(f"{where}: body of {raw_len} bytes exceeds the limit {max_body}")
+        raise LimitError(f"{where}: body of {raw_len} bytes exceeds the limit {max_body} (the "
+                         "format's, or what the chunk's coverage in its manifest admits); "
+                         "refused before decompressing: the chunk is hostile or corrupt, "
+                         "republish it")
     heads = []
     total = 0
     for i in range(nseg):

@@ -28,9 +28,10 @@ MAX_TENSORS = 1 << 20
 MAX_CHUNKS = 1 << 20
 MAX_DIMS = 16
 MAX_ELEMENTS = 1 << 48
-_KEY_RE = re.compile(r"^[A-Za-z0-9._/\-]{1,512}$")
-_HEX32 = re.compile(r"^[0-9a-f]{32}$")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+MAX_INT = (1 << 63) - 1  # versions, sizes and counts: int64 wherever they are stored or computed
+_KEY_RE = re.compile(r"[A-Za-z0-9._/\-]{1,512}")
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def chunk_checksum(frame: bytes | memoryview) -> str:
@@ -104,6 +105,9 @@ def decode_manifest(buf: bytes, *, where: str) -> Manifest:
         head = msgspec.json.decode(buf)
     except msgspec.DecodeError as exc:
         raise FormatError(f"{where}: manifest is not valid JSON: {exc}") from exc
+    except RecursionError:  # msgspec recurses per nesting level; a manifest nests 4 deep
+        raise FormatError(f"{where}: manifest JSON is nested too deeply to parse (a corrupt or "
+                          "hostile manifest): republish the version") from None
     if not isinstance(head, dict) or head.get("kind") != KIND:
         raise FormatError(f"{where}: not a weighthub manifest")
     fmt = head.get("format")
@@ -124,14 +128,17 @@ def decode_manifest(buf: bytes, *, where: str) -> Manifest:
 
 
 def _validate(m: Manifest, where: str) -> None:
-    if m.version < 0 or (m.base is not None and not 0 <= m.base < m.version):
+    if not 0 <= m.version <= MAX_INT or (m.base is not None and not 0 <= m.base < m.version):
         raise FormatError(f"{where}: version {m.version} with base {m.base}")
+    if not all(0 <= n <= MAX_INT for n in (m.dense_bytes, m.payload_bytes, m.changed)):
+        raise LimitError(f"{where}: dense_bytes {m.dense_bytes}, payload_bytes "
+                         f"{m.payload_bytes} or changed {m.changed} outside 0..2^63-1")
     if (m.base is None) != (m.base_root is None):
         raise FormatError(f"{where}: base and base_root must both be set or both be null")
     if len(m.tensors) > MAX_TENSORS or len(m.chunks) > MAX_CHUNKS:
         raise LimitError(f"{where}: {len(m.tensors)} tensors / {len(m.chunks)} chunks over limits")
     for digest in [m.root, m.model] + ([m.base_root] if m.base_root else []):
-        if not _HEX32.match(digest):
+        if not _HEX32.fullmatch(digest):
             raise FormatError(f"{where}: {digest!r} is not a 128-bit hex digest")
     numels = []
     names = set()
@@ -143,21 +150,27 @@ def _validate(m: Manifest, where: str) -> None:
         if len(t.shape) > MAX_DIMS or any(d < 0 for d in t.shape):
             raise FormatError(f"{where}: tensor {t.name!r} has bad shape {t.shape}")
         numel = math.prod(t.shape)
-        if numel > MAX_ELEMENTS:
-            raise LimitError(f"{where}: tensor {t.name!r} has {numel} elements")
+        # each dim too: an empty tensor (a 0 dim) would otherwise carry any other dim to
+        # torch/numpy, which refuse dims past int64
+        if numel > MAX_ELEMENTS or any(d > MAX_ELEMENTS for d in t.shape):
+            raise LimitError(f"{where}: tensor {t.name!r} has {numel} elements (shape {t.shape}; "
+                             f"at most {MAX_ELEMENTS}, and no dim over it)")
         if t.name in names or not t.name:
             raise FormatError(f"{where}: tensor name {t.name!r} empty or repeated")
-        if not _HEX32.match(t.digest):
+        if not 0 <= t.changed <= numel:
+            raise FormatError(f"{where}: tensor {t.name!r} has {t.changed} changed of {numel} "
+                              "elements")
+        if not _HEX32.fullmatch(t.digest):
             raise FormatError(f"{where}: tensor {t.name!r} digest {t.digest!r} is not 128-bit hex")
         names.add(t.name)
         numels.append(numel)
     covered = [0] * len(numels)
     keys = set()
     for c in m.chunks:
-        if not _KEY_RE.match(c.key) or {"", ".", ".."} & set(c.key.split("/")) or c.key in keys:
+        if not _KEY_RE.fullmatch(c.key) or {"", ".", ".."} & set(c.key.split("/")) or c.key in keys:
             raise FormatError(f"{where}: bad or repeated chunk key {c.key!r}")
         keys.add(c.key)
-        if c.size <= 0 or not _HEX64.match(c.checksum):
+        if not 0 < c.size <= MAX_INT or not _HEX64.fullmatch(c.checksum):
             raise FormatError(f"{where}: chunk {c.key!r} has bad size or checksum")
         for ti, start, stop in c.covers:
             if not 0 <= ti < len(numels) or not 0 <= start < stop <= numels[ti]:

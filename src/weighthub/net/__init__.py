@@ -2,6 +2,8 @@
 
     auth     shared-secret request tokens (HMAC-SHA256, skew window, replay guard)
     wire     the framed-TCP protocol: frame layout, ops, limits
+    admission  what a connection must do before it holds a serving slot: a whole-request
+             deadline, pending caps per source and in total
     aio      async frame I/O on raw sockets; cut-through forwarding of a pushed chunk
     server   ChunkServer: serves the versions a holder holds (store objects, dense ranges)
     client   PeerClient: get / get_range / dense_range / push, with timeouts

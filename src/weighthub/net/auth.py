@@ -1,6 +1,8 @@
 """Shared-secret request authentication for the hub and the chunk servers.
 
-Every request carries a token: `WH1 <timestamp> <nonce> <signature>`, where the signature is
+Every request carries a token: `WH1 <timestamp> <nonce> <signature>` (ASCII: a decimal timestamp
+of at most 20 digits, a lowercase hex nonce of at most 64 digits and 64 lowercase hex digits of
+signature; anything else is refused as malformed before any parsing), where the signature is
 HMAC-SHA256(secret, "WH1\\n{method}\\n{path}\\n{timestamp}\\n{nonce}\\n{body_digest}"). The server
 recomputes it and compares in constant time, refuses timestamps outside a skew window (an old
 captured token is useless), and, given a `ReplayGuard`, refuses a nonce it has already seen inside
@@ -21,11 +23,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import re
 import secrets
+import stat
 import threading
 import time
 from collections import OrderedDict
-from pathlib import Path
 
 from ..errors import AuthError, UsageError
 
@@ -35,6 +38,10 @@ MIN_SECRET_BYTES = 16
 DEFAULT_SKEW_S = 60.0
 _SCHEME = "WH1"
 _MAX_TOKEN = 256  # refuse oversized tokens before parsing them
+_MAX_SECRET_FILE = 64 << 10
+# A token as `sign` writes it: the scheme, a decimal timestamp, hex nonce and hex signature;
+# anything else (non-ASCII digits, "--5", surrogates from undecodable header bytes) is malformed.
+_TOKEN_RE = re.compile(r"WH1 (-?[0-9]{1,20}) ([0-9a-f]{1,64}) ([0-9a-f]{64})")
 
 
 def load_secret(path: str | os.PathLike[str] | None = None) -> bytes:
@@ -45,22 +52,46 @@ def load_secret(path: str | os.PathLike[str] | None = None) -> bytes:
             MIN_SECRET_BYTES (a short secret is guessable; generate one with `openssl rand -hex 32`).
     """
     if path is not None:
-        try:
-            secret = Path(path).read_bytes().strip()
-        except OSError as exc:
-            raise UsageError(f"cannot read the weighthub secret file {path}: {exc.strerror}") from exc
+        secret = _read_secret_file(path).strip()
         where = f"secret file {path}"
     else:
         env = os.environ.get(SECRET_ENV)
         if env is None:
             raise UsageError(f"no weighthub secret: set {SECRET_ENV} or pass a secret file "
                              "(the same on the hub and every node; e.g. `openssl rand -hex 32`)")
-        secret = env.strip().encode()
+        secret = os.fsencode(env).strip()  # the variable's bytes, whatever their encoding
         where = f"${SECRET_ENV}"
     if len(secret) < MIN_SECRET_BYTES:
         raise UsageError(f"the weighthub secret in {where} has {len(secret)} bytes; use at least "
                          f"{MIN_SECRET_BYTES} (e.g. `openssl rand -hex 32`)")
     return secret
+
+
+def _read_secret_file(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of a regular file of at most _MAX_SECRET_FILE bytes, without blocking.
+
+    O_NONBLOCK: opening a FIFO for reading would wait for a writer forever; a device or a
+    directory is refused by its type, an endless or huge file by the size read.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        why = exc.strerror if isinstance(exc, OSError) else str(exc)
+        raise UsageError(f"cannot read the weighthub secret file {path}: {why}") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UsageError(f"the weighthub secret file {path} is not a regular file; "
+                             "point --secret-file at a file holding the secret")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(_MAX_SECRET_FILE + 1)
+    except OSError as exc:
+        raise UsageError(f"cannot read the weighthub secret file {path}: {exc.strerror}") from exc
+    finally:
+        os.close(fd)
+    if len(data) > _MAX_SECRET_FILE:
+        raise UsageError(f"the weighthub secret file {path} is over {_MAX_SECRET_FILE} bytes: "
+                         "not a secret (e.g. `openssl rand -hex 32` writes 65)")
+    return data
 
 
 def body_digest(data: bytes | memoryview) -> str:
@@ -69,7 +100,8 @@ def body_digest(data: bytes | memoryview) -> str:
 
 
 def _mac(secret: bytes, method: str, path: str, ts: int, nonce: str, digest: str) -> str:
-    msg = f"{_SCHEME}\n{method}\n{path}\n{ts}\n{nonce}\n{digest}".encode()
+    # surrogatepass: a path taken from undecodable request bytes still signs (and fails) cleanly
+    msg = f"{_SCHEME}\n{method}\n{path}\n{ts}\n{nonce}\n{digest}".encode(errors="surrogatepass")
     return hmac.new(secret, msg, hashlib.sha256).hexdigest()
 
 
@@ -130,10 +162,11 @@ def verify(secret: bytes, token: str | None, method: str, path: str, body_digest
         raise AuthError(f"{method} {path}: no auth token (set {SECRET_ENV} or a secret file on the client)")
     if len(token) > _MAX_TOKEN:
         raise AuthError(f"{method} {path}: auth token too long ({len(token)} chars)")
-    parts = token.split(" ")
-    if len(parts) != 4 or parts[0] != _SCHEME or not parts[1].lstrip("-").isdigit():
-        raise AuthError(f"{method} {path}: malformed auth token (expected '{_SCHEME} <ts> <nonce> <sig>')")
-    _, ts_text, nonce, sig = parts
+    match = _TOKEN_RE.fullmatch(token)
+    if match is None:
+        raise AuthError(f"{method} {path}: malformed auth token (expected '{_SCHEME} <ts> "
+                        "<hex nonce> <hex signature>')")
+    ts_text, nonce, sig = match.groups()
     ts = int(ts_text)
     t = time.time() if now is None else now
     expected = _mac(secret, method, path, ts, nonce, body_digest)

@@ -19,6 +19,10 @@ loop in a daemon thread; `stop()` closes the listener and every connection, then
 Every request is authenticated (`auth`), bounded (max body, max connections) and timed
 (io timeout per socket operation, request timeout per request, idle timeout between
 requests). File reads, hashing and dense copies run in threads, off the event loop.
+
+A connection takes a serving slot (`max_connections`) only once its first request is complete
+and authenticated; before, it is pending, under a deadline and caps (`admission`). Whatever a
+connection sends, it gets an answer or a clean close: no exception escapes its task.
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ from collections.abc import Callable
 from typing import Protocol
 
 from ..errors import (
-    AuthError,
     LimitError,
     NetError,
     ObjectNotFound,
@@ -43,7 +46,8 @@ from ..errors import (
 )
 from ..format import chunk_checksum
 from ..store.base import Store, check_key
-from . import aio, auth, wire
+from . import admission, aio, auth, wire
+from .admission import Peer
 
 log = logging.getLogger(__name__)
 _VERSION_KEY = re.compile(r"^v(\d{12})/")
@@ -76,10 +80,15 @@ class ChunkServer:
         leases: the holder's read leases over its target, for dense reads (None: no dense).
         host, port: where to listen (port 0: a free one).
         max_body: largest body served or accepted (bytes); larger requests are refused.
-        max_connections: concurrent connections; more are refused ("busy").
+        max_connections: concurrent authenticated connections; more are refused ("busy").
         io_timeout: longest wait for one socket operation (seconds).
         request_timeout: longest time one request may take, forwarding included.
-        idle_timeout: an idle connection is closed after this long.
+        idle_timeout: an authenticated connection idle this long is closed, and a later
+            request's header must be complete within it.
+        auth_timeout: a new connection's first request must be complete and authenticated
+            this long after the accept, however it paces its bytes (see `admission`).
+        max_pending, max_pending_per_source: caps on connections not yet authenticated, in
+            total and per source address; at a cap the oldest goes (see `admission`).
         on_push: called (key, failed addresses) after a pushed chunk is staged.
     """
 
@@ -87,6 +96,8 @@ class ChunkServer:
                  host: str = "127.0.0.1", port: int = 0, max_body: int = 256 << 20,
                  max_connections: int = 64, io_timeout: float = 10.0,
                  request_timeout: float = 60.0, idle_timeout: float = 60.0,
+                 auth_timeout: float = admission.AUTH_TIMEOUT_S, max_pending: int = admission.MAX_PENDING,
+                 max_pending_per_source: int = admission.MAX_PENDING_PER_SOURCE,
                  on_push: Callable[[str, list[str]], None] | None = None) -> None:
         self.store = store
         self.secret = secret
@@ -96,18 +107,23 @@ class ChunkServer:
         self.io_timeout = io_timeout
         self.request_timeout = request_timeout
         self.idle_timeout = idle_timeout
+        self.auth_timeout = auth_timeout
         self.on_push = on_push
+        self._pending: admission.Pending[Peer] = admission.Pending(max_pending, max_pending_per_source)
+        self._serving: set[Peer] = set()
         self._replay = auth.ReplayGuard()
         self._served: set[int] = set()
         self._lock = threading.Lock()
-        self._listener = socket.create_server((host, port), backlog=128)
+        # A deep accept queue: under a burst of connections (peers joining, or strangers) a
+        # peer's connect completes and waits its turn in the queue instead of losing its SYN
+        # and retrying after 1 s, 3 s… (the client's connect timeout is 3 s).
+        self._listener = socket.create_server((host, port), backlog=1024)
         self._listener.setblocking(False)
         self.host, self.port = self._listener.getsockname()[:2]
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping: asyncio.Event | None = None
-        self._conns: set[socket.socket] = set()
-        self._tasks: set[asyncio.Task[None]] = set()  # strong references until each ends
+        self._peers: set[Peer] = set()  # strong references (and their tasks) until each ends
 
     @property
     def address(self) -> str:
@@ -161,71 +177,105 @@ class ChunkServer:
         ready.set()
         await self._stopping.wait()
         accept.cancel()
-        for conn in list(self._conns):
-            conn.close()
         self._listener.close()
         tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)  # each closes its socket as it ends
 
     async def _accept(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                conn, _ = await loop.sock_accept(self._listener)
-            except OSError as exc:  # out of file descriptors, …: keep serving the others
+                conn, addr = await loop.sock_accept(self._listener)
+                conn.setblocking(False)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError as exc:  # out of file descriptors, reset at once, …: serve the others
                 log.warning("chunk server %s: accept failed: %s", self.address, exc)
                 await asyncio.sleep(0.1)
                 continue
-            conn.setblocking(False)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if len(self._conns) >= self.max_connections:
-                task = loop.create_task(self._refuse_busy(conn))
-            else:
-                self._conns.add(conn)
-                task = loop.create_task(self._connection(conn))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            peer = Peer(conn, admission.source_of(addr[0]), loop.time())
+            for old in self._pending.add(peer.source, peer):
+                self._drop(old)
+            peer.task = loop.create_task(self._connection(peer))
+            self._peers.add(peer)
+            # closes the socket even for a task cancelled before it ran (a dropped newcomer)
+            peer.task.add_done_callback(peer.on_end(self._ended))
+            # A new connection's request is usually there already: let it be read (and the
+            # connection leave the pending set) before the next accept, so a burst of
+            # strangers cannot push out a peer whose request has arrived.
+            await asyncio.sleep(0)
 
-    async def _refuse_busy(self, conn: socket.socket) -> None:
-        msg = f"chunk server {self.address} is busy ({self.max_connections} connections)"
-        with contextlib.suppress(OSError, TimeoutError):
-            await aio.send(conn, wire.pack(wire.RESPONSE_MAGIC, wire.Response(wire.REFUSED, msg)),
-                           None, self.io_timeout)
-        conn.close()
+    def _drop(self, peer: Peer) -> None:
+        """Close a pending connection to make room (a cap was reached); say why if it listens."""
+        pending = self._pending
+        admission.refuse_now(peer.sock, wire.Response(wire.REFUSED, (
+            f"chunk server {self.address}: closed before a request arrived: too many "
+            f"unauthenticated connections (at most {pending.max_per_source} per source, "
+            f"{pending.max_total} in all); send the request right after connecting, or retry")))
+        if peer.task is not None:
+            peer.task.cancel()
+
+    def _ended(self, peer: Peer) -> None:
+        self._pending.remove(peer)
+        self._serving.discard(peer)
+        self._peers.discard(peer)
+        peer.sock.close()
 
     # -- one connection ---------------------------------------------------------------------
-    async def _connection(self, conn: socket.socket) -> None:
+    async def _connection(self, peer: Peer) -> None:
+        """Serve one connection until it ends. Nothing escapes: a failure that is not the
+        peer going away is a bug, logged; the connection closes and the server goes on."""
         where = f"chunk server {self.address}"
         try:
-            while True:
-                raw = await aio.recv_header(conn, wire.REQUEST_MAGIC, self.idle_timeout, where)
-                if raw is None:
-                    return
-                req = wire.decode_request(raw, where)
-                try:
-                    auth.verify(self.secret, req.auth, *wire.auth_subject(req), replay=self._replay)
-                except AuthError as exc:
-                    log.warning("%s: refused %s %s: %s", where, req.op, req.key, exc)
-                    await self._reply(conn, wire.Response(wire.AUTH, f"{where}: {exc}"))
-                    return  # an unread push body may follow: drop the connection
-                if req.size > self.max_body:
-                    await self._reply(conn, wire.Response(
-                        wire.BAD_REQUEST, f"{where}: body of {req.size} bytes over the limit "
-                                          f"{self.max_body}"))
-                    return
-                async with asyncio.timeout(self.request_timeout):
-                    if not await self._handle(conn, req, where):
-                        return
-        except LimitError as exc:
+            await self._converse(peer, where)
+        except LimitError as exc:  # not a weighthub frame, or a header length out of bounds
             with contextlib.suppress(OSError, TimeoutError):
-                await self._reply(conn, wire.Response(wire.BAD_REQUEST, str(exc)))
+                await self._reply(peer.sock, wire.Response(wire.BAD_REQUEST, str(exc)))
         except (OSError, TimeoutError, ConnectionError):
             pass  # the peer went away or stalled: nothing to answer
-        finally:
-            self._conns.discard(conn)
-            conn.close()
+        except Exception:
+            log.exception("%s: connection from %s failed; closed it", where, peer.source)
+
+    async def _converse(self, peer: Peer, where: str) -> None:
+        conn = peer.sock
+        admitted = False
+        while True:
+            # First request: complete and authenticated by a deadline from the accept, however
+            # the bytes are paced. Later ones (authenticated already): within the idle timeout.
+            limit = (asyncio.timeout(self.idle_timeout) if admitted
+                     else asyncio.timeout_at(peer.accepted + self.auth_timeout))
+            try:
+                async with limit:
+                    raw = await aio.recv_header(conn, wire.REQUEST_MAGIC, self.idle_timeout, where)
+            except TimeoutError:
+                if not admitted:
+                    log.debug("%s: %s sent no complete request within %gs; closed", where,
+                              peer.source, self.auth_timeout)
+                return
+            if raw is None:
+                return
+            req = admission.authenticate(raw, self.secret, self._replay, where)
+            if isinstance(req, wire.Response):
+                await self._reply(conn, req)
+                return  # an unread push body may follow: drop the connection
+            if not admitted:
+                self._pending.remove(peer)
+                if len(self._serving) >= self.max_connections:
+                    await self._reply(conn, wire.Response(wire.REFUSED, (
+                        f"{where} is busy ({self.max_connections} connections); retry or ask "
+                        "another holder")))
+                    return
+                self._serving.add(peer)
+                admitted = True
+            if req.size > self.max_body:
+                await self._reply(conn, wire.Response(
+                    wire.BAD_REQUEST, f"{where}: body of {req.size} bytes over the limit "
+                                      f"{self.max_body}"))
+                return
+            async with asyncio.timeout(self.request_timeout):
+                if not await self._handle(conn, req, where):
+                    return
 
     async def _reply(self, conn: socket.socket, resp: wire.Response,
                      body: bytes | memoryview | None = None) -> None:
@@ -285,10 +335,8 @@ class ChunkServer:
         return wire.Response("ok", size=len(data)), data
 
     def _read_object(self, key: str) -> bytes:
-        size = self.store.size(key)
-        if size > self.max_body:
-            raise LimitError(f"{key} has {size} bytes, over {self.max_body}: use ranges")
-        return self.store.get(key)
+        # one bounded read: a size() then get() could see the object swapped in between
+        return self.store.get(key, max_bytes=self.max_body)
 
     # -- relay push -------------------------------------------------------------------------
     async def _push(self, conn: socket.socket, req: wire.Request, where: str) -> bool:

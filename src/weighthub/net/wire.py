@@ -32,6 +32,7 @@ binds every field that selects or describes content, so no field can be altered 
 from __future__ import annotations
 
 import struct
+from typing import TypeVar
 
 import msgspec
 
@@ -42,6 +43,11 @@ RESPONSE_MAGIC = b"WHS1"
 PREFIX = struct.Struct("!4sI")
 MAX_HEADER = 64 << 10
 MAX_TREE_NODES = 4096
+# A relay tree's depth: a fan-out-1 chain of this many hops already takes seconds per chunk
+# (each hop adds a store-and-forward step); deeper nesting is refused so that nothing that
+# walks a tree (decode, sign, forward) recurses without bound.
+MAX_TREE_DEPTH = 256
+_MAX_INT = (1 << 63) - 1  # offsets, sizes and versions travel as int64 on both sides
 OPS = ("get", "range", "dense", "release", "push", "versions")
 
 # Response.status values other than "ok", and what the client raises for each.
@@ -82,13 +88,32 @@ class Response(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     failed: list[str] = []  # push: addresses in the subtree that did not get the chunk
 
 
+_T = TypeVar("_T")
 _req_decoder = msgspec.json.Decoder(Request)
 _resp_decoder = msgspec.json.Decoder(Response)
 _encoder = msgspec.json.Encoder()
 
 
 def tree_size(tree: list[Hop]) -> int:
-    return sum(1 + tree_size(h.children) for h in tree)
+    return len(_nodes(tree))
+
+
+def tree_depth(tree: list[Hop]) -> int:
+    """Hops on the longest path from the top of `tree` (0 for an empty tree)."""
+    depth, level = 0, list(tree)
+    while level:
+        depth += 1
+        level = [c for h in level for c in h.children]
+    return depth
+
+
+def _nodes(tree: list[Hop]) -> list[Hop]:
+    """Every hop of `tree`, breadth first (iteratively: a tree's depth is the sender's choice)."""
+    out, level = [], list(tree)
+    while level:
+        out += level
+        level = [c for h in level for c in h.children]
+    return out
 
 
 def addresses(hop: Hop) -> list[str]:
@@ -113,6 +138,8 @@ def pack(magic: bytes, header: msgspec.Struct) -> bytes:
 
 def header_length(prefix: bytes, magic: bytes, where: str) -> int:
     """Validate a frame prefix; the header length that follows. Raises LimitError."""
+    if len(prefix) != PREFIX.size:
+        raise LimitError(f"{where}: frame prefix of {len(prefix)} bytes, expected {PREFIX.size}")
     got, hlen = PREFIX.unpack(prefix)
     if got != magic:
         raise LimitError(f"{where}: not a weighthub frame (magic {got!r}, expected {magic!r})")
@@ -123,31 +150,45 @@ def header_length(prefix: bytes, magic: bytes, where: str) -> int:
 
 def decode_request(raw: bytes, where: str) -> Request:
     """Parse and validate a request header (sizes and ops) before anything is allocated."""
-    try:
-        req = _req_decoder.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise LimitError(f"{where}: bad request header: {exc}") from None
+    req = _decode(_req_decoder, raw, where, "request")
     if req.op not in OPS:
         raise LimitError(f"{where}: unknown op {req.op!r}; known: {list(OPS)}")
-    if req.size < 0 or req.start < 0 or req.stop < req.start:
-        raise LimitError(f"{where}: bad size/range (size {req.size}, [{req.start}, {req.stop}))")
+    if not 0 <= req.start <= req.stop <= _MAX_INT or not 0 <= req.size <= _MAX_INT \
+            or not -1 <= req.version <= _MAX_INT:
+        raise LimitError(f"{where}: bad size/range/version (size {req.size}, [{req.start}, "
+                         f"{req.stop}), version {req.version})")
     if req.op != "push" and req.size:
         raise LimitError(f"{where}: op {req.op!r} takes no body")
+    if tree_depth(req.tree) > MAX_TREE_DEPTH:
+        raise LimitError(f"{where}: relay tree deeper than {MAX_TREE_DEPTH} hops")
     if tree_size(req.tree) > MAX_TREE_NODES:
         raise LimitError(f"{where}: relay tree over {MAX_TREE_NODES} nodes")
     return req
 
 
 def decode_response(raw: bytes, where: str) -> Response:
+    """Parse a response header; its body size is the caller's to bound. Raises LimitError."""
+    resp = _decode(_resp_decoder, raw, where, "response")
+    if not 0 <= resp.size <= _MAX_INT:
+        raise LimitError(f"{where}: response body size {resp.size} outside 0..2^63-1")
+    return resp
+
+
+def _decode(decoder: msgspec.json.Decoder[_T], raw: bytes, where: str, what: str) -> _T:
+    """One header, every failure a LimitError (the peer is broken or hostile)."""
     try:
-        return _resp_decoder.decode(raw)
+        return decoder.decode(raw)
     except msgspec.DecodeError as exc:
-        raise LimitError(f"{where}: bad response header: {exc}") from None
+        raise LimitError(f"{where}: bad {what} header: {exc}") from None
+    except RecursionError:  # only a relay tree nests: bounded by MAX_TREE_DEPTH once decoded
+        raise LimitError(f"{where}: bad {what} header: JSON nested too deeply") from None
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
     """'host:port' -> (host, port). Raises LimitError."""
     host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    # isdigit() alone takes "²" and other non-ASCII digits that int() refuses
+    if not sep or not host or not (port.isascii() and port.isdigit()) or len(port) > 5 \
+            or not 0 < int(port) < 65536:
         raise LimitError(f"peer address {addr!r} is not 'host:port'")
     return host.strip("[]"), int(port)

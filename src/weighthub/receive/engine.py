@@ -1,9 +1,11 @@
 """The transaction engine: the one code path that changes a target's bits.
 
-    open      the target's writable views (materializing an empty target); refuse views that
-              partly share memory
+    open      the target's writable views (materializing an empty target; a file target locks
+              itself across processes); refuse views that partly share memory, and a target
+              that no longer holds what the steps were staged against (another process)
     bind      each step to the state it applies to: a delta's base root (invariant 4)
-    apply     in place, every old word recorded in an undo log first
+    apply     in place, every old word recorded in an undo log first (and, for a target that
+              journals, the words each step may write made durable before it starts)
     verify    tensor digests of every touched tensor against the manifest of each version the
               steps pass through (incremental, O(changed)), or every touched tensor digested
               again at the end (full); with verify_base, the held bits against their root first
@@ -20,16 +22,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 from ..codec import UndoLog
-from ..errors import ApplyError, UsageError, WeighthubError
-from ..targets.base import Held, Target, unique_views
+from ..errors import ApplyError, BaseMismatch, UsageError, WeighthubError
+from ..targets.base import Held, Target, journal_step, unique_views
 from ..tensors import TensorSpec
 from .apply import apply_step, check_disjoint
 from .clock import PhaseClock
 from .inputs import Step
 from .routes import check_binding
+from .undo_plan import plan_step
 from .verify import check_root, check_step, check_touched
 
 Verify = Literal["incremental", "full"]
@@ -79,6 +83,7 @@ def transact(target: Target, steps: Sequence[Step], *, store: str, held: Held | 
     incremental = verify == "incremental"
     try:
         views = target.open(specs)
+        _check_unmoved(target, held, final.version, store)
         alias = unique_views({s.name: views[s.name] for s in specs})
         check_disjoint(views, alias)
         if held is not None and verify_base:
@@ -92,6 +97,9 @@ def transact(target: Target, steps: Sequence[Step], *, store: str, held: Held | 
             # a fresh target needs no undo copy for the full representation it starts with;
             # deltas after it record their dense writes (verification reads the old words)
             undo.fresh = fresh and step.full
+            if not undo.fresh:  # a file target journals the old words first (crash recovery)
+                with clock.phase("apply"):
+                    journal_step(target, partial(plan_step, step, views, alias))
             with clock.shared() as busy:
                 applied = apply_step(step, views, alias, undo, touched, incremental=incremental,
                                      where=store, workers=apply_workers)
@@ -117,3 +125,15 @@ def transact(target: Target, steps: Sequence[Step], *, store: str, held: Held | 
                              f"{exc}); the target was rolled back to its previous version") from exc
         raise
     return Outcome(now, clock.apply, clock.verify, digests)
+
+
+def _check_unmoved(target: Target, held: Held | None, version: int, store: str) -> None:
+    """Refuse (nothing applied) if the target no longer holds what the steps were staged
+    against: another process committed to it between staging and the target's lock."""
+    now = target.held()
+    if now != held:
+        def say(h: Held | None) -> str:
+            return "nothing" if h is None else f"version {h.version} (root {h.root[:12]}…)"
+        raise BaseMismatch(f"version {version} from {store} was staged against {say(held)}, but "
+                           f"the target now holds {say(now)}, committed by another process "
+                           "meanwhile; nothing applied: pull again")

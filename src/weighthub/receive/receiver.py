@@ -129,8 +129,21 @@ class Receiver:
 
     def sync(self, version: int | None = None) -> SyncResult:
         """Bring the target to `version` (default: the latest committed): stage, then apply,
-        with no other sync in between. See the package doc."""
+        with no other sync in between. See the package doc.
+
+        If another process changes the target between staging and applying (a file target
+        shared by two pulls: its lock serializes their transactions), the version is staged
+        again from what the target then holds, once.
+        """
         with self._sync_lock:
+            staged = self._stage_version(version)
+            try:
+                return self._apply_staged(staged)
+            except BaseMismatch:
+                # another process (a second pull into the same file) committed between our
+                # staging and the target's lock: stage again from what it holds now, once
+                if self.target.held() == staged.held:
+                    raise
             return self._apply_staged(self._stage_version(version))
 
     def stage(self, version: int | None = None) -> Staged:

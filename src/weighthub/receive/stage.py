@@ -2,14 +2,23 @@
 
 Every chunk is fetched through `SourceList.fetch` (which checks size and SHA-256 against the
 manifest once, and fails over between sources), parsed and validated (`decode_chunk`), and its
-segments checked to lie inside the coverage the manifest gives the chunk. The first step of a
-route applies to the bits held now, so its exponent-grouped positions are decoded against them
-already (`regap`) and, for incremental verification, the digest lanes of the words it will
-replace are summed (`olds`). Nothing of the target is written.
+segments checked to lie inside the coverage the manifest gives the chunk.
+
+Memory, bounded by the manifests before anything is read: each of the `workers` threads holds
+one chunk in flight, whose frame no source reads past its manifest size (`ref.size`) and whose
+body no frame may declare past what its coverage admits (`chunk_body_bound`; a full chunk: its
+dense words exactly). So a hostile store or peer costs at most workers × max(ref.size +
+chunk_body_bound) beyond the decoded chunks of a route that passes every check (what a legitimate
+publish of that route would hold too); the first failure cancels the chunks not yet started.
+
+The first step of a route applies to the bits held now, so its exponent-grouped positions are
+decoded against them already (`regap`) and, for incremental verification, the digest lanes of
+the words it will replace are summed (`olds`). Nothing of the target is written.
 """
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -19,10 +28,11 @@ from ..codec import Op, Positions, Segment, regap_segment
 from ..codec.digest import staged_old_digest
 from ..errors import FormatError, ObjectNotFound
 from ..format import ChunkFrame, ChunkRef, Manifest, decode_chunk
+from ..format.chunk import body_bound
 from ..layout import ShardBox, segment_outside
 from ..sources import ChunkId, SourceList
 from ..targets.base import Held, Target
-from ..tensors import TensorSpec
+from ..tensors import TensorSpec, dtype_named
 from .inputs import Chunk, Step
 
 
@@ -43,13 +53,14 @@ def stage_route(route: list[catalog.Rep], manifests: list[tuple[Manifest, Manife
     first_from = first.root if route[0].inverse else first.base_root
     base_bits = target.peek() if held is not None and first_from == held.root else {}
     first_specs = first.specs()
+    widths = [[dtype_named(t.dtype).width for t in m.tensors] for m, _e in manifests]
 
     def fetch(job: tuple[int, int]) -> Chunk:
         m = manifests[job[0]][0]
         ref = m.chunks[job[1]]
         name = f"chunk {where}/{ref.key}"
         blob = sources.fetch(ChunkId.of(m, route[job[0]].key, job[1]))
-        frame = decode_chunk(blob, where=name)
+        frame = decode_chunk(blob, where=name, max_body=chunk_body_bound(ref, m, widths[job[0]]))
         check_segments(frame, ref, m, name, inverse=route[job[0]].inverse)
         if job[0] != 0 or not base_bits:
             return Chunk(frame, ref)
@@ -70,6 +81,14 @@ def stage_route(route: list[catalog.Rep], manifests: list[tuple[Manifest, Manife
     for r, (m, expect) in zip(route, manifests, strict=True):
         steps.append(Step(m, [next(it) for _ in m.chunks], r.inverse, expect))
     return steps
+
+
+def chunk_body_bound(ref: ChunkRef, m: Manifest, width: list[int]) -> int:
+    """The largest decompressed body chunk `ref` of `m` may declare (`format.chunk.body_bound`
+    over the words its manifest says it covers; `width`: bytes per element of each tensor)."""
+    words = [(stop - start, width[ti]) for ti, start, stop in ref.covers]
+    words += [(math.prod(shape), width[ti]) for ti, _offset, shape in ref.boxes]
+    return body_bound(words, ref.size, full=m.base is None)
 
 
 def check_segments(frame: ChunkFrame, ref: ChunkRef, m: Manifest, where: str, *,

@@ -37,7 +37,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from ..errors import ChecksumError, NetError, ObjectNotFound, StoreError, UsageError
+from ..errors import ChecksumError, LimitError, NetError, ObjectNotFound, StoreError, UsageError
 from ..format import Manifest, chunk_checksum
 from ..format.manifest import CHUNK_CHECKSUM
 from ..store.base import Store
@@ -70,7 +70,9 @@ class ChunkSource(Protocol):
 
     `get_chunk` raises ObjectNotFound when this source does not have the chunk, a StoreError or
     NetError (PeerTimeout / PeerRefused, StoreTimeout / StoreRefused) when it cannot answer; it
-    waits at most `timeout` seconds.
+    waits at most `timeout` seconds. It reads no more than `ref.size` bytes (the manifest's size
+    of the chunk) plus a bounded margin, refusing a larger object (LimitError, or the source's
+    own refusal) before reading it, so a hostile source costs memory for one chunk at most.
     """
 
     name: str  # where the bytes came from, for messages ('store s3://b/p', 'peer 10.0.0.7:7001')
@@ -116,14 +118,15 @@ class SourceGroup(ChunkSource, Protocol):
 
 
 class StoreSource:
-    """The object store as the last (authoritative) source of chunks."""
+    """The object store as the last (authoritative) source of chunks. An object larger than
+    the manifest says is refused (LimitError) before it is read."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
         self.name = f"store {store.url}"
 
     def get_chunk(self, ref: ChunkId, *, timeout: float) -> bytes:
-        return self.store.get(ref.key, timeout=timeout)
+        return self.store.get(ref.key, timeout=timeout, max_bytes=ref.size)
 
 
 class StoreCache:
@@ -136,7 +139,7 @@ class StoreCache:
         self.name = name or f"cache {store.url}"
 
     def get_chunk(self, ref: ChunkId, *, timeout: float) -> bytes:
-        return self.store.get(ref.key, timeout=timeout)
+        return self.store.get(ref.key, timeout=timeout, max_bytes=ref.size)
 
     def keep(self, ref: ChunkId, data: bytes) -> None:
         try:  # overwrites a corrupt copy: `data` passed its checksum
@@ -156,7 +159,8 @@ def check_chunk(ref: ChunkId, data: bytes, where: str) -> None:
                             "names")
 
 
-_FAILURES = (ObjectNotFound, ChecksumError, StoreError, NetError)
+# LimitError: a source's object is larger than the manifest says (refused before it was read)
+_FAILURES = (ObjectNotFound, ChecksumError, LimitError, StoreError, NetError)
 
 
 class SourceList:
@@ -205,7 +209,7 @@ class SourceList:
                             source.failed(member, exc)
                         if not isinstance(exc, ObjectNotFound) and not final:
                             # a ChecksumError's message already names the chunk and the source
-                            what = exc if isinstance(exc, ChecksumError) else \
+                            what = exc if isinstance(exc, ChecksumError | LimitError) else \
                                 f"chunk {ref.key} from {member.name} failed ({exc})"
                             log.warning("%s; trying the next source", what)
                         last = exc

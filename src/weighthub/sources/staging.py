@@ -16,7 +16,11 @@ itself (correct, just not deduplicated) and does not write the file another proc
 
 Trust: this cache checks nothing. The list checks every chunk's size and SHA-256 exactly once,
 whichever source it came from: a corrupt cached file is caught there (and replaced by the
-verified copy from the next source), never applied.
+verified copy from the next source), never applied. A cached file is read only if it is a
+regular file of the manifest's size, and never past it: anything else (a FIFO, a device, a link)
+is a miss, so another user of a shared /dev/shm can cost a refetch, never a hang or the memory.
+Temporary files of a receiver killed mid-insert are swept when a StagingSource is made
+(`store.local.sweep_temporaries`: unlocked and a minute old).
 
 Size: after each insertion, if the cache holds more than `max_bytes`, whole versions are
 evicted, oldest first (`ChunkId.version`, the name of each version's directory here), never the
@@ -33,15 +37,16 @@ import logging
 import os
 import re
 import shutil
+import stat
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import ObjectNotFound, StoreRefused, UsageError
 from ..store.base import Store
+from ..store.local import open_temporary, sweep_temporaries
 from . import ChunkId, ChunkSource, SourceList, StoreSource
 
 log = logging.getLogger(__name__)
@@ -90,6 +95,8 @@ class StagingSource:
         except OSError as exc:
             raise StoreRefused(f"cannot create the staging directory {self.dir}: "
                                    f"{exc.strerror}") from exc
+        # what receivers killed mid-insert left (the directory is small: a quick walk)
+        sweep_temporaries(self.dir)
 
     def __repr__(self) -> str:
         return f"StagingSource({str(self.dir)!r})"
@@ -97,7 +104,7 @@ class StagingSource:
     # -- source --------------------------------------------------------------------------------
     def get_chunk(self, ref: ChunkId, *, timeout: float) -> bytes:
         """The cached copy (a file read: never waits). Raises ObjectNotFound on a miss."""
-        data = _read(self._path(ref))
+        data = _read(self._path(ref), ref.size)
         if data is None:
             raise ObjectNotFound(f"chunk {ref.key}: not in {self.name}")
         return data
@@ -106,7 +113,7 @@ class StagingSource:
     def claim(self, ref: ChunkId, *, timeout: float) -> Iterator[bytes | None]:
         """The cached copy, or None: then this caller fetches it and others wait (see module)."""
         path = self._path(ref)
-        data = _read(path)
+        data = _read(path, ref.size)
         if data is not None:
             yield data
             return
@@ -118,7 +125,7 @@ class StagingSource:
                 with self._held_lock:
                     self._held.add(token)
             try:
-                yield _read(path)  # another process may have fetched it while we waited
+                yield _read(path, ref.size)  # another process may have fetched it while we waited
             finally:
                 if locked:
                     with self._held_lock:
@@ -176,16 +183,19 @@ class StagingSource:
     def _insert(self, ref: ChunkId, data: bytes) -> None:
         path = self._path(ref)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f".tmp-{uuid.uuid4().hex}"
+        fd, tmp = open_temporary(path.parent)  # flocked: a sweep leaves it while we live
         try:
-            tmp.write_bytes(data)
+            view = memoryview(data).cast("B")
+            while view:
+                view = view[os.write(fd, view):]
             os.replace(tmp, path)  # readers see the whole chunk or none of it
         finally:
             tmp.unlink(missing_ok=True)
+            os.close(fd)
         self._evict(keep=ref.version)
 
     def _version_dirs(self) -> list[Path]:
-        return [p for p in self.dir.iterdir() if p.is_dir() and p.name.isdigit()]
+        return [p for p in self.dir.iterdir() if p.is_dir() and p.name.isascii() and p.name.isdigit()]
 
     def _evict(self, keep: int) -> None:
         """Delete whole versions, oldest first, until the cache fits in max_bytes."""
@@ -211,14 +221,40 @@ class StagingSource:
             os.close(fd)  # releases the flock
 
 
-def _read(path: Path) -> bytes | None:
+def _read(path: Path, size: int) -> bytes | None:
+    """The cached file at `path` if it is a regular file of exactly `size` bytes; None for a
+    miss. Anything else found there (another size, a FIFO, a device or a link to one, planted
+    or half-written) is a miss too, logged: it is never waited on or read past `size`, and
+    the verified copy the list fetches next replaces it (`keep`)."""
     try:
-        return path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except FileNotFoundError:
         return None
     except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a symlink: the cache never writes one
+            log.warning("staging file %s is a symbolic link; ignored", path)
+            return None
         raise StoreRefused(f"cannot read {path} in the staging directory: "
-                               f"{exc.strerror}") from exc
+                           f"{exc.strerror}") from exc
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+            log.warning("staging file %s is not a regular file of the chunk's %d bytes; "
+                        "ignored", path, size)
+            return None
+        pieces, got = [], 0
+        while got < size:
+            piece = os.pread(fd, size - got, got)
+            if not piece:
+                return None  # truncated under us: a miss
+            pieces.append(piece)
+            got += len(piece)
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+    except OSError as exc:
+        raise StoreRefused(f"cannot read {path} in the staging directory: "
+                           f"{exc.strerror}") from exc
+    finally:
+        os.close(fd)
 
 
 def _flock(fd: int, op: int, timeout: float) -> bool:

@@ -20,6 +20,13 @@ Every method takes a keyword `timeout`: seconds for this call, None for the stor
 default. A call raises only UsageError (an invalid key, range or timeout: a caller's bug) or a
 StoreError: ObjectNotFound, ObjectExists, StoreTimeout (no answer in time: retrying may help)
 or StoreRefused (an answer that says no: permissions, I/O error, credentials).
+
+Reads are bounded in size as well as time, because a store may be hostile: `get` takes
+`max_bytes`, what the caller expects at most (a chunk's size from its manifest, a manifest's
+limit), and refuses a larger object with LimitError *before* reading it (a file by its stat, S3
+by the first part's Content-Range), reading at most max_bytes + 1 bytes; `get_range` reads at
+most stop - start bytes. Objects that are not plain data (a FIFO or device planted in a local
+store) are refused with StoreRefused, never waited on or read without end.
 """
 
 from __future__ import annotations
@@ -28,9 +35,10 @@ import math
 import re
 from typing import Protocol, runtime_checkable
 
-from ..errors import UsageError
+from ..errors import LimitError, UsageError
 
 _KEY_SEGMENT = re.compile(r"^[A-Za-z0-9._\-]+$")
+TMP_PREFIX = ".tmp-"  # a writer's temporary file (see LocalStore): never a key
 
 
 def check_key(key: str) -> str:
@@ -38,7 +46,26 @@ def check_key(key: str) -> str:
     parts = key.split("/")
     if not key or any(not _KEY_SEGMENT.match(p) or p in (".", "..") for p in parts):
         raise UsageError(f"invalid store key {key!r}: use '/'-separated [A-Za-z0-9._-] segments")
+    if any(p.startswith(TMP_PREFIX) for p in parts):
+        raise UsageError(f"invalid store key {key!r}: names starting with {TMP_PREFIX!r} are "
+                         "reserved for a store's temporary files (swept after a crash)")
     return key
+
+
+def check_max_bytes(max_bytes: int | None, where: str) -> int | None:
+    """`max_bytes` if it is None or an int >= 0, else UsageError."""
+    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
+                                  or max_bytes < 0):
+        raise UsageError(f"{where}: max_bytes={max_bytes!r}; give a byte count >= 0 (or None)")
+    return max_bytes
+
+
+def too_large(size: int, max_bytes: int, where: str) -> LimitError:
+    """The error for an object of `size` bytes read with max_bytes (refused before reading)."""
+    return LimitError(f"{where}: object of {size} bytes, more than the {max_bytes} expected "
+                      "(its manifest entry or the limit), refused before reading it whole: the "
+                      "store holds something other than what was published; republish or "
+                      "remove it")
 
 
 def check_timeout(timeout: float | None, default: float | None, where: str) -> float | None:
@@ -62,8 +89,10 @@ class Readable(Protocol):
 
     url: str
 
-    def get(self, key: str, *, timeout: float | None = None) -> bytes:
-        """The whole object. Raises ObjectNotFound."""
+    def get(self, key: str, *, timeout: float | None = None,
+            max_bytes: int | None = None) -> bytes:
+        """The whole object. Raises ObjectNotFound; LimitError, having read at most
+        max_bytes + 1 bytes, when the object is larger than `max_bytes` (None: no bound)."""
         ...
 
     def size(self, key: str, *, timeout: float | None = None) -> int:

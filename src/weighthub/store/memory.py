@@ -10,7 +10,7 @@ import threading
 from typing import ClassVar
 
 from ..errors import ObjectExists, ObjectNotFound, StoreTimeout, UsageError
-from .base import check_key, check_timeout
+from .base import check_key, check_max_bytes, check_timeout, too_large
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -42,13 +42,18 @@ class MemoryStore:
                                f"{limit:g}s (another thread holds it); retry or raise timeout")
         return _Held(self._lock)
 
-    def get(self, key: str, *, timeout: float | None = None) -> bytes:
+    def get(self, key: str, *, timeout: float | None = None,
+            max_bytes: int | None = None) -> bytes:
         check_key(key)
+        check_max_bytes(max_bytes, f"get {key!r} in {self.url}")
         with self._locked("get", key, timeout):
             try:
-                return self._objects[key]
+                data = self._objects[key]
             except KeyError:
                 raise ObjectNotFound(f"{key!r} is not in store {self.url}") from None
+        if max_bytes is not None and len(data) > max_bytes:
+            raise too_large(len(data), max_bytes, f"get {key!r} in {self.url}")
+        return data
 
     def get_range(self, key: str, start: int, stop: int, *,
                   timeout: float | None = None) -> bytes:

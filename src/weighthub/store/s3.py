@@ -45,8 +45,8 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from ..errors import StoreError, StoreTimeout, UsageError
-from .base import check_key, check_timeout
-from .s3_errors import Retryable, map_error
+from .base import check_key, check_max_bytes, check_timeout, too_large
+from .s3_errors import Retryable, map_error, ranged_body
 
 T = TypeVar("T")
 
@@ -152,14 +152,20 @@ class S3Store:
         return f"S3Store({self.url!r}, endpoint={self.endpoint!r})"
 
     # -- Store protocol --------------------------------------------------------------------------
-    def get(self, key: str, *, timeout: float | None = None) -> bytes:
+    def get(self, key: str, *, timeout: float | None = None,
+            max_bytes: int | None = None) -> bytes:
         name = self._name(key)
+        check_max_bytes(max_bytes, f"get {self._where(key)}")
         end = self._deadline("get", key, timeout)
-        first = self._call("get", key, end, lambda c: self._get_part(c, name, 0, self.part_size,
-                                                                     None))
+        # the first part says the total (Content-Range): a larger object than max_bytes is
+        # refused after at most max_bytes + 1 bytes, before any other part is asked for
+        first_len = self.part_size if max_bytes is None else min(self.part_size, max_bytes + 1)
+        first = self._call("get", key, end, lambda c: self._get_part(c, name, 0, first_len, None))
         if first is None:  # 416 on the first range: the object exists and is empty
             return b""
         head, total, etag = first
+        if max_bytes is not None and total > max_bytes:
+            raise too_large(total, max_bytes, f"get {self._where(key)}")
         if total <= len(head):
             return head
         starts = range(len(head), total, self.part_size)
@@ -176,7 +182,8 @@ class S3Store:
             parts = list(self._executor().map(part, starts))
         except _Changed:
             # replaced while we read it: read the new object afresh, within what is left
-            return self.get(key, timeout=None if end is None else max(1e-3, end - time.monotonic()))
+            return self.get(key, timeout=None if end is None else max(1e-3, end - time.monotonic()),
+                            max_bytes=max_bytes)
         return b"".join([head, *parts])
 
     def get_range(self, key: str, start: int, stop: int, *,
@@ -263,9 +270,7 @@ class S3Store:
             if code in ("PreconditionFailed", "412") and etag is not None:
                 raise _Changed() from exc
             raise
-        with resp["Body"] as body:
-            data = body.read()
-        total = _total_from_content_range(resp.get("ContentRange"), start + len(data))
+        data, total = ranged_body(resp, start, length, f"{name!r} in bucket {self.bucket}")
         return data, total, resp.get("ETag", "")
 
     def _put_multipart(self, key: str, name: str, view: memoryview, end: float | None) -> None:
@@ -389,12 +394,3 @@ def _delete_object(client: Any, *, bucket: str, key: str) -> Any:
 
 def _list_page(client: Any, *, kwargs: dict[str, Any]) -> Any:
     return client.list_objects_v2(**kwargs)
-
-
-def _total_from_content_range(value: str | None, fallback: int) -> int:
-    # "bytes 0-8388607/33554432"; servers that ignore Range send none: the body is everything
-    if value and "/" in value:
-        tail = value.rsplit("/", 1)[1]
-        if tail.isdigit():
-            return int(tail)
-    return fallback

@@ -8,11 +8,14 @@
 
 Transient failures (the first row, 5xx and throttling) come back wrapped in `Retryable`, so the
 caller retries them and raises the wrapped error only when the retries are spent.
+
+A ranged GET's answer is read here too (`ranged_body`): never more bytes than asked for, however
+large a body the server sends, and a server that ignores Range is refused, not spliced.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
@@ -82,3 +85,16 @@ def map_error(store: _Where, op: str, key: str, exc: Exception,
 
 def is_urllib3(exc: Exception) -> bool:
     return type(exc).__module__.startswith(("urllib3", "http.client"))
+
+
+def ranged_body(resp: Any, start: int, length: int, where: str) -> tuple[bytes, int]:
+    """(at most `length` bytes of a ranged GET's body, the object's total size)."""
+    with resp["Body"] as body:
+        data = body.read(length)
+    rng = resp.get("ContentRange")
+    if rng is None and start > 0:  # the body is the object's head again, not this range
+        raise StoreRefused(f"{where}: the server ignored the Range header of a ranged GET; use "
+                           "an S3 server that honours ranged GETs")
+    # "bytes 0-8388607/33554432"; without one (Range ignored) the body was the whole object
+    tail = rng.rsplit("/", 1)[1] if rng and "/" in rng else ""
+    return data, int(tail) if tail.isascii() and tail.isdigit() else int(resp.get("ContentLength", len(data)))

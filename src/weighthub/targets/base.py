@@ -7,8 +7,14 @@ Lifecycle (the receiver drives it, one transaction at a time):
     open(specs)       writable bit views by canonical name; materializes an empty target
                       (allocated, not yet visible under its final name/place)
     ... the receiver applies, verifies digests ...
+    journal_step(plan)  optional, before each step is applied: `plan()` lists the ranges (and
+                      positions) the step may write; a file target updated in place journals
+                      their old words durably first, for recovery after a crash
     commit(held)      make the new version durable and visible; record what is held
     abort()           discard whatever open() materialized (bits were already rolled back)
+
+A target shared between processes (a file) also locks itself from open to commit/abort, and
+held() inside that transaction answers what it held when opened.
 
 `TargetWrapper` forwards all of these to an inner target; wrappers (fp8 blocks, read leases,
 an engine's parameters) override only what they change. `weighthub.testing.TargetTests` is the
@@ -17,6 +23,7 @@ behaviour every target must have.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -73,11 +80,27 @@ class TargetWrapper:
     def open(self, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
         return self.inner.open(specs)
 
+    def journal_step(self, plan: Plan) -> None:
+        journal_step(self.inner, plan)
+
     def commit(self, held: Held) -> None:
         self.inner.commit(held)
 
     def abort(self) -> None:
         self.inner.abort()
+
+
+# what a step may write: (words of a range of a view, positions in it or None: all of them),
+# or None when it cannot be known ahead (then a journaling target covers all it maps)
+Plan = Callable[[], "list[tuple[np.ndarray, np.ndarray | None]] | None"]
+
+
+def journal_step(target: Target, plan: Plan) -> None:
+    """Offer `plan` to `target` before a step (`journal_step` is optional in the protocol);
+    the plan is computed only if the target journals."""
+    hook = getattr(target, "journal_step", None)
+    if hook is not None:
+        hook(plan)
 
 
 def unique_views(views: dict[str, np.ndarray]) -> dict[str, str]:

@@ -11,12 +11,14 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import FormatError, LimitError, UnknownCodecError, UsageError
+from ..format.manifest import MAX_DIMS, MAX_ELEMENTS
 from ..tensors import TensorSpec, dtype_named
 
 MAX_HEADER_BYTES = 100 << 20
@@ -43,7 +45,10 @@ def read_header(path: Path) -> list[Entry]:
 def header_object(path: Path) -> tuple[dict[str, Any], int, int]:
     """The header's JSON object, where the data starts, and the file's size."""
     try:
-        size = path.stat().st_size
+        st = path.stat()
+        size = st.st_size
+        if not stat.S_ISREG(st.st_mode):  # a FIFO would block the open; a device may never end
+            raise UsageError(f"{path} is not a regular file; a checkpoint is a .safetensors file")
         with path.open("rb") as f:
             head = f.read(8)
             if len(head) < 8:
@@ -58,8 +63,11 @@ def header_object(path: Path) -> tuple[dict[str, Any], int, int]:
         raise UsageError(f"cannot read {path}: {exc.strerror}") from exc
     try:
         header = json.loads(raw)
-    except ValueError as exc:
+    except ValueError as exc:  # UnicodeDecodeError and over-long integers included
         raise FormatError(f"{path}: safetensors header is not JSON: {exc}") from exc
+    except RecursionError:  # json recurses per nesting level; a real header nests 3 deep
+        raise FormatError(f"{path}: safetensors header is JSON nested too deeply: a corrupt or "
+                          "hostile file") from None
     if not isinstance(header, dict):
         raise FormatError(f"{path}: safetensors header is not an object")
     return header, 8 + n, size
@@ -81,6 +89,9 @@ def entries(path: Path, header: dict[str, Any], data_start: int, size: int) -> l
             raise UnknownCodecError(f"{path}: tensor {name!r}: {exc}") from None
         if not all(type(x) is int for x in (*shape, begin, end)):  # not 2.5, "3" or true
             raise FormatError(f"{path}: tensor {name!r} has non-integer shape or offsets")
+        if len(shape) > MAX_DIMS or any(d > MAX_ELEMENTS for d in shape):
+            raise LimitError(f"{path}: tensor {name!r} has shape {shape}: over {MAX_DIMS} dims "
+                             f"or a dim over {MAX_ELEMENTS} elements")
         numel = math.prod(shape)
         if any(d < 0 for d in shape) or end - begin != numel * dtype.width or begin < 0 \
                 or data_start + end > size:

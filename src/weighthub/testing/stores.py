@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import ObjectExists, ObjectNotFound, StoreError, StoreTimeout, UsageError
+from ..errors import LimitError, ObjectExists, ObjectNotFound, StoreError, StoreTimeout, UsageError
 from ..store.base import Deletable, Listable, RangeReadable, Readable, ReadableStore, Store, Writable
 from ._check import raises
 
@@ -64,6 +64,25 @@ class StoreTests:
         for start, stop in ((-1, 3), (0, -1)):
             with raises(UsageError, match=">= 0"):
                 store.get_range("x", start, stop)
+
+    def test_get_max_bytes(self) -> None:
+        """`get(max_bytes=)`: what the caller expects at most; a larger object is refused."""
+        store = self.make_store()
+        store.put("v1/c0.whc", b"x" * 1000)
+        assert store.get("v1/c0.whc", max_bytes=1000) == b"x" * 1000
+        assert store.get("v1/c0.whc", max_bytes=5000) == b"x" * 1000
+        with raises(LimitError, match=r"c0\.whc.*1000 bytes.*999"):
+            store.get("v1/c0.whc", max_bytes=999)
+        with raises(LimitError):
+            store.get("v1/c0.whc", max_bytes=0)
+        store.put("v1/empty", b"")
+        assert store.get("v1/empty", max_bytes=0) == b""
+        with raises(ObjectNotFound):
+            store.get("v1/nope", max_bytes=10)
+        bad: list[Any] = [-1, 1.5, True, "9"]
+        for b in bad:
+            with raises(UsageError, match="max_bytes"):
+                store.get("v1/c0.whc", max_bytes=b)
 
     def test_size(self) -> None:
         store = self.make_store()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 import threading
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ MAX_HEADER = 16 << 20
 MAX_NUMEL = 1 << 40
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _NAMES = {v: k for k, v in _DTYPES.items()}
+_HEX_DIGEST = re.compile(f"[0-9a-f]{{{2 * DIGEST_BYTES}}}")
 COMPACT_SOURCE = "logra-compact"  # the `store` a CompactReceiver's masters record (Held.store)
 
 
@@ -140,10 +142,13 @@ def _entry(e: dict[str, Any], body: memoryview, offset: int) -> CompactEntry:
             raise ValueError(f"bytes [{e['offset']}, +{e['nbytes']}) do not match {nbytes} at {offset}")
         extra: dict[str, Any] = {}
         if kind == "sketch":
-            extra = dict(seed=_int(e["seed"]), epoch=_int(e["epoch"]), rank=rank,
+            extra = dict(seed=_int(e["seed"]), epoch=_epoch(e["epoch"]), rank=rank,
                          coef=_float(e["coef"]), decay=_float(e["decay"]))
         if not isinstance(e["name"], str):
             raise TypeError(f"name {e['name']!r} is not a string")
+        # the replay hashes the name as UTF-8 (projection_key): a lone surrogate (a "\udcff"
+        # escape) fails here, as a UnicodeEncodeError (a ValueError), not in the replay
+        e["name"].encode()
         return CompactEntry(e["name"], kind, shape, dtype, body[offset:offset + nbytes],
                             _digest(e["base"]), _digest(e["digest"]), **extra)
     except (ValueError, KeyError, TypeError) as exc:
@@ -157,6 +162,13 @@ def _int(v: Any) -> int:
     return v
 
 
+def _epoch(v: Any) -> int:
+    """A refresh epoch: a u64 entry of the projection's SeedSequence (it refuses negatives)."""
+    if not 0 <= _int(v) < 1 << 64:
+        raise ValueError(f"epoch {v} outside 0..2^64-1")
+    return int(v)
+
+
 def _float(v: Any) -> float:
     if type(v) not in (int, float) or not math.isfinite(v):
         raise TypeError(f"{v!r} is not a finite number")
@@ -164,7 +176,8 @@ def _float(v: Any) -> float:
 
 
 def _digest(v: Any) -> bytes:
-    if not isinstance(v, str) or len(v) != 2 * DIGEST_BYTES:
+    # fullmatch, not fromhex alone: fromhex skips whitespace, so "  " * 16 would pass as b""
+    if not isinstance(v, str) or not _HEX_DIGEST.fullmatch(v):
         raise ValueError(f"{v!r} is not a {DIGEST_BYTES}-byte hex digest")
     return bytes.fromhex(v)
 

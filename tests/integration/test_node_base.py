@@ -1,0 +1,251 @@
+"""A node never trusts its own output blindly, and the hub offers only holders that can serve.
+
+    modified base   bytes of a node's output changed outside weighthub (a plain write, or one
+                    whose size and mtime were restored with os.utime) are found before the next
+                    apply: the node reports "base_modified", re-materializes, and is bit-exact
+                    (integer views) at every later version, with deltas applied again after
+    scheduled full  a change no stat can see (an in-memory target) is found by the full digest
+                    check the node runs every N versions
+    never silent    an exception outside weighthub's tree in the follow loop is reported
+                    (event "error") and following goes on
+    serving         a holder that lists a version's chunks (pushed to it) but has not committed
+                    it is not offered to joiners as a dense source of that version until it can
+                    serve it
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from deadlines import PROCESS_S
+from hub_helpers import HubProcess, write_secret
+from node_helpers import NodeProcess, make_state, read_bits, same_bits, step
+
+from weighthub.cluster.hubclient import HubClient
+from weighthub.cluster.node import Node, NodeConfig
+from weighthub.cluster.publisher import NetPublisher
+from weighthub.cluster.topology import Labels
+from weighthub.net.client import PeerClient
+from weighthub.publish import Publisher
+from weighthub.store import LocalStore, MemoryStore
+from weighthub.targets import StateDictTarget
+from weighthub.tensors import bits
+
+SYNC_S = PROCESS_S
+
+
+@pytest.fixture
+def secret_file(tmp_path: Path) -> Path:
+    write_secret(tmp_path / "secret")
+    return tmp_path / "secret"
+
+
+@pytest.fixture
+def nodes() -> Iterator[list[NodeProcess]]:
+    started: list[NodeProcess] = []
+    yield started
+    for n in started:
+        n.kill9()
+
+
+def flip_one_byte(out: Path, *, keep_mtime: bool) -> None:
+    """XOR one byte of tensor data in a safetensors file (not its header), as an outside edit."""
+    st = out.stat()
+    with out.open("r+b") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        f.seek(8 + header_len + 4097)
+        b = f.read(1)
+        f.seek(8 + header_len + 4097)
+        f.write(bytes([b[0] ^ 0x01]))
+    if keep_mtime:  # same size, same mtime: only the inode's ctime tells
+        os.utime(out, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert out.stat().st_mtime_ns == st.st_mtime_ns and out.stat().st_size == st.st_size
+
+
+def base_modified(n: NodeProcess) -> list[dict[str, Any]]:
+    return [e for e in n.events if e.get("event") == "base_modified"]
+
+
+@pytest.mark.slow
+def test_a_node_finds_its_modified_output_rematerializes_and_stays_bit_exact(
+        tmp_path: Path, secret_file: Path, nodes: list[NodeProcess]) -> None:
+    store = tmp_path / "store"
+    pub = Publisher(LocalStore(store))
+    node = NodeProcess.start(store, tmp_path / "n" / "model.safetensors", secret_file, hub=None,
+                             node_id="n", poll=0.2)
+    nodes.append(node)
+    states = [make_state(0)]
+    pub.publish(states[0])
+    node.synced(0, SYNC_S)
+    for v, keep_mtime in ((1, False), (2, True)):
+        flip_one_byte(node.out, keep_mtime=keep_mtime)
+        node.wait_for(lambda e, k=v: len(base_modified(node)) >= k, SYNC_S, f"base_modified #{v}")
+        states.append(step(states[-1], v))
+        pub.publish(states[v])
+        node.synced(v, SYNC_S)
+        # the node may have re-materialized the held version first or the new one at once;
+        # either way it ends at v with v's bits
+        node.wait_for(lambda e, k=v: e.get("event") == "synced" and e["version"] == k
+                      and len(base_modified(node)) >= k, SYNC_S, "a sync after the report")
+        assert same_bits(read_bits(node.out), states[v])
+    first, second = base_modified(node)
+    # the first edit moved the mtime (the sidecar's own check refused the file), the second
+    # only the ctime: both were seen by a stat and confirmed before anything was applied
+    assert (first["version"], first["check"], second["version"], second["check"]) == \
+        (0, "stat", 1, "stat"), (first, second)
+    assert "error" not in {e["event"] for e in node.events}, node.events
+    states.append(step(states[-1], 3))
+    pub.publish(states[3])
+    e = node.synced(3, SYNC_S)
+    assert e["how"] == "delta", e  # deltas apply again on the re-materialized base
+    assert same_bits(read_bits(node.out), states[3])
+
+
+class Events:
+    """An in-process node's events, waited on with a bound."""
+
+    def __init__(self) -> None:
+        self.q: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.seen: list[dict[str, Any]] = []
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        self.q.put(event)
+
+    def wait(self, kind: str, version: int | None, timeout: float = 60.0) -> dict[str, Any]:
+        end = time.monotonic() + timeout
+        while True:
+            for e in self.seen:
+                if e["event"] == kind and e.get("version") == version:
+                    return e
+            left = end - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no {kind} {version} within {timeout}s: {self.seen}")
+            try:
+                self.seen.append(self.q.get(timeout=left))
+            except queue.Empty:
+                continue
+
+
+def test_the_scheduled_full_check_finds_a_change_no_stat_can_see() -> None:
+    store, cache = MemoryStore(), MemoryStore("cache")
+    pub = Publisher(store, full_span_bytes=64 << 10)
+    s0 = make_state(0, tensors=2, numel=1 << 14)
+    pub.publish(s0)
+    state: dict[str, Any] = {}
+    events = Events()
+    # no cheap check can see inside process memory: only the full check every version does
+    config = NodeConfig("mem", poll_s=0.05, full_check_versions=1, full_check_s=3600.0)
+    node = Node(store, StateDictTarget(state), b"s" * 32, config, hub=None, cache=cache,
+                on_event=events).start()
+    try:
+        events.wait("synced", 0)
+        bits(state["layer1.weight"]).reshape(-1)[77] ^= 1
+        s1 = step(s0, 1)
+        pub.publish(s1)
+        e = events.wait("base_modified", 0)
+        assert e["check"] == "full", e
+        events.wait("synced", 1)
+        assert same_bits(state, s1)
+        s2 = step(s1, 2)
+        pub.publish(s2)
+        assert events.wait("synced", 2)["how"] == "delta"
+        assert same_bits(state, s2)
+        assert not [x for x in events.seen if x["event"] == "error"], events.seen
+    finally:
+        node.stop()
+
+
+@pytest.mark.slow
+def test_the_hub_offers_a_holder_to_joiners_only_once_it_serves_the_version(
+        tmp_path: Path, secret_file: Path, nodes: list[NodeProcess]) -> None:
+    # A holder whose apply of v1 waits behind a reader's lease has v1's chunks (pushed down the
+    # relay tree) and lists v1, but serves only v0's dense bits: a joiner must not be sent there.
+    hub = HubProcess.start(tmp_path / "hub.db", secret_file, lease_ttl=5.0)
+    secret = secret_file.read_bytes().strip()
+    pub = None
+    try:
+        holder = NodeProcess.start(tmp_path / "store", tmp_path / "h" / "model.safetensors",
+                                   secret_file, hub=hub.address, node_id="holder", poll=600.0,
+                                   labels="region=a,zone=z1,host=h1")
+        nodes.append(holder)
+        holder.listening()
+        pub = NetPublisher(LocalStore(tmp_path / "store"), secret, publisher_id="trainer",
+                           hub=HubClient(hub.address, secret, labels=Labels("a", "z1", "h0"))).start()
+        s0 = make_state(0, tensors=2)
+        pub.publish(s0)
+        holder.synced(0, SYNC_S)
+        asker = HubClient(hub.address, secret)
+        dense = "v000000000001/dense"
+
+        def offered(v: int) -> list[str]:
+            return asker.sources(f"v{v:012d}/dense", v, dense=True)
+
+        end = time.monotonic() + SYNC_S
+        while offered(0) != [holder.address]:  # the holder's report after its commit
+            assert time.monotonic() < end, asker.holders()
+            time.sleep(0.1)
+        reader = PeerClient(holder.address, secret)
+        reader.dense_range(0, "layer0.weight", 0, 64, lease="reader")
+        pub.publish(step(s0, 1))
+        end = time.monotonic() + SYNC_S
+        while 1 not in next(h for h in asker.holders() if h["id"] == "holder")["versions"]:
+            assert time.monotonic() < end, asker.holders()
+            time.sleep(0.1)
+        assert holder.address in asker.sources(dense, 1)  # its chunks of v1 are offered
+        assert offered(1) == []  # its dense bits of v1 are not: it still holds v0
+        reader.release("reader")
+        holder.synced(1, SYNC_S)
+        end = time.monotonic() + SYNC_S
+        while offered(1) != [holder.address]:
+            assert time.monotonic() < end, asker.holders()
+            time.sleep(0.1)
+        got = reader.dense_range(1, "layer0.weight", 0, 64, lease="joiner")
+        assert np.frombuffer(got, np.uint8).size == 64
+    finally:
+        if pub is not None:
+            pub.close()
+        hub.kill()
+
+
+class _FailsOnce(StateDictTarget):
+    """A target whose held() fails once with an exception outside weighthub's tree."""
+
+    def __init__(self) -> None:
+        super().__init__({})
+        self.fail = False
+
+    def held(self) -> Any:
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("a driver hiccup")
+        return super().held()
+
+
+def test_an_unexpected_failure_is_reported_and_the_node_keeps_following() -> None:
+    # before: the follow thread died with the exception, and the node silently followed nothing
+    store = MemoryStore()
+    pub = Publisher(store, full_span_bytes=64 << 10)
+    s0 = make_state(0, tensors=1, numel=1 << 12)
+    pub.publish(s0)
+    target, events = _FailsOnce(), Events()
+    node = Node(store, target, b"s" * 32, NodeConfig("odd", poll_s=0.05), hub=None,
+                cache=MemoryStore("cache"), on_event=events).start()
+    try:
+        events.wait("synced", 0)
+        target.fail = True
+        e = events.wait("error", None)
+        assert "RuntimeError: a driver hiccup" in e["error"], e
+        s1 = step(s0, 1)
+        pub.publish(s1)
+        events.wait("synced", 1)
+        assert same_bits(target.state, s1)
+    finally:
+        node.stop()
