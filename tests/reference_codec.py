@@ -10,10 +10,11 @@ from __future__ import annotations
 import numpy as np
 
 from bit_patterns import random_bits
+from reference_ctx import ref_ctx
 from weighthub.codec import Op, Positions, Segment, Values
 from weighthub.tensors import DType
 
-OP_FOR = {Values.VARINT: Op.XOR, Values.ZIGZAG: Op.ADD, Values.RAW: Op.OVERWRITE}
+OP_FOR = {Values.VARINT: Op.XOR, Values.ZIGZAG: Op.ADD, Values.RAW: Op.OVERWRITE, Values.CTX: Op.XOR}
 
 
 
@@ -68,13 +69,11 @@ def ref_bitmap(n: int, pos: np.ndarray) -> bytes:
     return np.packbits(mask, bitorder="little").tobytes()
 
 
-def ref_values(old: np.ndarray, new: np.ndarray, pos: np.ndarray, codec: Values, dtype: DType,
-               op: Op | None = None) -> bytes:
-    """The value stream: the op's entry per changed position (xor: old^new; add: the zigzagged
-    wrap-around difference; overwrite: the new word), as varints or raw words (masked to W)."""
-    op = OP_FOR[codec] if op is None else op
+def ref_entries(old: np.ndarray, new: np.ndarray, pos: np.ndarray, op: Op, dtype: DType) -> list[int]:
+    """The op's entry z per changed position (xor: old^new; add: the zigzagged wrap-around
+    difference; overwrite: the new word)."""
     bits = 8 * dtype.width
-    out = bytearray()
+    out = []
     for o, n in zip(old[pos].tolist(), new[pos].tolist(), strict=True):
         if op == Op.XOR:
             z = o ^ n
@@ -84,7 +83,17 @@ def ref_values(old: np.ndarray, new: np.ndarray, pos: np.ndarray, codec: Values,
             z = 2 * s if s >= 0 else -2 * s - 1
         else:
             z = n
-        out += (z % (1 << bits)).to_bytes(dtype.width, "little") if codec == Values.RAW else leb128(z)
+        out.append(z % (1 << bits))
+    return out
+
+
+def ref_values(old: np.ndarray, new: np.ndarray, pos: np.ndarray, codec: Values, dtype: DType,
+               op: Op | None = None) -> bytes:
+    """The value stream: the op's entries as varints or raw words (W bytes)."""
+    op = OP_FOR[codec] if op is None else op
+    out = bytearray()
+    for z in ref_entries(old, new, pos, op, dtype):
+        out += z.to_bytes(dtype.width, "little") if codec == Values.RAW else leb128(z)
     return bytes(out)
 
 
@@ -93,6 +102,10 @@ def ref_segment(old: np.ndarray, new: np.ndarray, dtype: DType, positions: Posit
     """A segment of every changed word, coded as forced; op defaults to the values' usual one."""
     op = OP_FOR[values] if op is None else op
     pos = np.flatnonzero(old != new)
+    if positions == Positions.CTX:
+        z = dict(zip(pos.tolist(), ref_entries(old, new, pos, op, dtype), strict=True))
+        pb, vb = ref_ctx(old, pos, z, dtype)
+        return Segment(0, start, start + old.size, op, positions, values, int(pos.size), u8(pb), u8(vb))
     if positions == Positions.GAPS:
         pb = ref_gaps(pos)
     elif positions == Positions.GROUPS:

@@ -96,15 +96,22 @@ def segment(draw: Any, dtype_index: int) -> Any:
         if dtype.width < 8 else rng.integers(1, 1 << 63, pos.size, dtype=np.uint64)
     new[pos] ^= flips.astype(dtype.uint)
     op, values = draw(st.sampled_from(_CODINGS))
-    choices = [Positions.GAPS, Positions.BITMAP] + ([Positions.GROUPS] if dtype.is_float else [])
+    choices = [Positions.GAPS, Positions.BITMAP] + ([Positions.GROUPS, Positions.CTX, Positions.CTX]
+                                                    if dtype.is_float else [])
     positions = draw(st.sampled_from(choices))
-    if positions == Positions.GAPS:
+    if positions == Positions.CTX:  # both streams range-coded: xor or add only
+        from weighthub.codec.ctx import ctx_streams
+
+        op, values = (op, Values.CTX) if op in (Op.XOR, Op.ADD) else (Op.XOR, Values.CTX)
+        pos_bytes, val_bytes = ctx_streams(old, pos, old[pos], new[pos], dtype, op)
+    elif positions == Positions.GAPS:
         pos_bytes = encode_gaps(pos)
     elif positions == Positions.BITMAP:
         pos_bytes = np.packbits(mask, bitorder="little")
     else:
         pos_bytes = _encode_groups(old, pos, dtype)
-    val_bytes = _encode_vals(_Changes(pos, old[pos], new[pos]), values, dtype)
+    if positions != Positions.CTX:
+        val_bytes = _encode_vals(_Changes(pos, old[pos], new[pos]), values, dtype)
     fields = dict(tensor=0, start=start, stop=start + n, op=op, positions=positions,
                   values=values, count=int(pos.size), pos_bytes=pos_bytes, val_bytes=val_bytes)
     for _ in range(draw(st.integers(0, 2))):

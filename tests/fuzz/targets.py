@@ -14,6 +14,7 @@ the input (JSON trees and decoded lists), plus the decompressed body the caller 
 from __future__ import annotations
 
 import contextlib
+import struct
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +25,9 @@ import xxhash
 # Imported here, not in the targets: a first import inside the measured region would count
 # against the memory bound and the deadline (torch alone takes seconds and hundreds of MB).
 from weighthub.codec.apply import apply_segment, regap_segment
-from weighthub.codec.segment import UndoLog
+from weighthub.codec.coding import Op, Positions, Values, check_coding
+from weighthub.codec.ctx import decode_ctx
+from weighthub.codec.segment import Segment, UndoLog
 from weighthub.errors import WeighthubError
 from weighthub.format.chunk import decode_chunk
 from weighthub.format.manifest import decode_manifest
@@ -40,6 +43,7 @@ SECRET = b"fuzz-secret-0123456789abcdef"  # auth: what the server side of the ta
 NOW = 1_800_000_000.0  # auth: the verifier's clock; strategies sign with it
 MAX_BODY = 1 << 20  # the decompressed body a chunk caller allows (what its coverage implies)
 MAX_SEGMENT_ELEMENTS = 1 << 16  # segments target: larger ranges are decoded, not applied
+FLOAT_DTYPES = [d for d in DTYPES if d.is_float]
 _SLACK = 8 << 20  # interpreter noise: imports on first use, caches, hypothesis bookkeeping
 _JSON_EXPANSION = 64  # Python objects per byte of JSON, generously ("[]" is a 56-byte list)
 
@@ -123,6 +127,41 @@ def segments(data: bytes) -> object:
     return applied
 
 
+CTX_HEADER = struct.Struct("<BBIHH")  # dtype (float index), op, count, n, pos_len
+
+
+def ctx(data: bytes) -> object:
+    """[CTX_HEADER][positions stream][values stream]: a context-coded segment of n elements
+    decoded against `base_words` (codec.ctx.decode_ctx, what staging runs), then applied and
+    rolled back. Beyond the contract: a decode never writes its base, and whatever decodes
+    applies and rolls back bit for bit.
+    """
+    if len(data) < CTX_HEADER.size:
+        return None
+    di, op, count, n, pos_len = CTX_HEADER.unpack_from(data)
+    dtype = FLOAT_DTYPES[di % len(FLOAT_DTYPES)]
+    streams = np.frombuffer(data[CTX_HEADER.size:], np.uint8).copy()
+    n = max(n, 1)
+    seg = Segment(0, 0, n, Op.ADD if op & 1 else Op.XOR, Positions.CTX, Values.CTX, count,
+                  streams[:pos_len], streams[pos_len:])
+    check_coding(seg.op, seg.positions, seg.values, "fuzz ctx", is_float=True)
+    if count > n:
+        return None  # decode_chunk refuses this before any segment reaches a decoder
+    base = base_words(n, dtype)
+    held = readonly(base.copy())
+    try:
+        decode_ctx(seg, held, dtype, "fuzz ctx")
+    finally:
+        _same(held, base, "decode_ctx wrote its base")
+    dst, undo = base.copy(), UndoLog()
+    try:
+        apply_segment(seg, dst, dtype, undo, "fuzz ctx")
+    finally:
+        undo.rollback()
+        _same(dst, base, "a ctx segment applied (or refused), then rolled back")
+    return count
+
+
 def _same(got: np.ndarray, want: np.ndarray, what: str) -> None:
     if not np.array_equal(got.view(np.uint8), want.view(np.uint8)):
         bad = int(np.flatnonzero(got.view(np.uint8) != want.view(np.uint8))[0])
@@ -197,6 +236,8 @@ TARGETS: dict[str, tuple[Callable[[bytes], object], Callable[[int], int]]] = {
     "chunk_resum": (chunk_resum, lambda n: 4 * n + MAX_BODY + _SLACK),
     # base, destination, undo positions and words, decoded positions: ~8 arrays of 8-byte words
     "segments": (segments, lambda n: 4 * n + MAX_BODY + 64 * MAX_SEGMENT_ELEMENTS + _SLACK),
+    # decoded positions and entries, re-coded gaps and varints, undo: ~64 bytes per element
+    "ctx": (ctx, lambda n: 4 * n + 64 * (1 << 16) + _SLACK),
     "manifest": (manifest, _json_bound),
     "wire_request": (wire_request, _json_bound),
     "wire_response": (wire_response, _json_bound),

@@ -151,6 +151,49 @@ def test_targets_rows() -> None:
     assert len(targets.evaluate([run])) == 6  # the 20% step is outside both speed ranges
 
 
+def _speed_entry(step: int, rate: float, ratio: float, decode_mbps: float, pause: float,
+                 ctx_changed: int = 10) -> dict[str, Any]:
+    mbps = {"best": decode_mbps, "median": decode_mbps, "worst": decode_mbps}
+    return {"step": step, "change_rate": rate, "in_range": 0.01 <= rate <= 0.03,
+            "ratio_to_xor": {"encode_compact": ratio}, "pause_ratio": pause,
+            "ctx": {"changed": ctx_changed, "mbps": {"ctx_decode": mbps}}}
+
+
+def test_v1_and_codec_speed_target_rows() -> None:
+    def step(i: int, wh: int, v1: int) -> dict[str, Any]:
+        return {"step": i, "change_rate": 0.02, "codecs": {"weighthub": {"payload_bytes": wh},
+                                                            "weighthub_v1": {"payload_bytes": v1}}}
+
+    run = {"trajectory": "t", "kind": "synthetic", "change_rate": 0.02,
+           "codecs": {"weighthub": {"payload_bytes": 95}, "weighthub_v1": {"payload_bytes": 100}},
+           "steps": [step(1, 40, 50), step(2, 55, 50)],
+           "codec_speed": [_speed_entry(1, 0.02, 0.30, 200.0, 1.0),
+                           _speed_entry(2, 0.05, 0.50, 100.0, 0.9),  # outside 1-3%: no ratio row
+                           _speed_entry(3, 0.02, 0.40, 0.0, 1.0, ctx_changed=0)]}
+    rows = targets.evaluate([run])
+    (v1,) = [r for r in rows if r["target"] == "payload ≤ weighthub_v1"]
+    assert v1["met"] and v1["measured"] == pytest.approx(0.95)
+    assert v1["worst_step_ratio"] == pytest.approx(1.1)  # step 2 alone was larger
+    enc = [r for r in rows if r["target"].startswith("compact encode")]
+    assert [(r["step"], r["met"]) for r in enc] == [(1, False), (3, True)]
+    assert enc[0]["shortfall"] == pytest.approx(1 - 0.30 / 0.35)
+    dec = [r for r in rows if r["target"].startswith("ctx decode")]
+    assert [(r["step"], r["met"]) for r in dec] == [(1, True), (2, False)]  # step 3: no ctx
+    pause = [r for r in rows if r["target"].startswith("pause")]
+    assert [(r["step"], r["met"]) for r in pause] == [(1, True), (2, False), (3, True)]
+    text = report.render({"created": 0.0, "machine": {"cpus": 1, "platform": "p"}, "seconds": 1.0,
+                          "runs": [], "targets": rows,
+                          "projection": {"assumptions": [], "runs": {}}}, [])
+    assert "weighthub_v1 (worst step's ratio): t 1.100" in text
+
+
+def test_speed_steps_prefer_one_to_three_percent() -> None:
+    steps = [{"step": i, "change_rate": r} for i, r in enumerate([0.06, 0.035, 0.025, 0.012, 0.019], 1)]
+    assert [s["step"] for s in runner.speed_steps(steps, 2)] == [3, 5]  # nearest 2%, by step
+    assert [s["step"] for s in runner.speed_steps(steps, 9)] == [3, 4, 5]
+    assert [s["step"] for s in runner.speed_steps(steps[:2], 2)] == [2]  # none inside: nearest
+
+
 # -- a whole tiny run: the JSON contract -----------------------------------------------------------
 
 
@@ -192,10 +235,31 @@ def test_json_contract(tiny_doc: dict[str, Any]) -> None:
     doc = json.loads(json.dumps(tiny_doc))  # serializable as is
     (run,) = doc["runs"]
     assert run["trajectory"] == "tiny" and 0 < run["change_rate"] < 0.2
-    for name in ("weighthub", "dense", "dense_zstd", "sparserl", "sparserl_zstd", "nemo",
-                 "bound_order0", "bound_ctx"):
-        assert run["codecs"][name]["payload_bytes"] >= 0
-        assert run["codecs"][name]["dense_bytes"] == 3 * (300 * 200 + 5000) * 2
+    assert set(run["codecs"]) == set(runner.CODECS)
+    changed = sum(s["changed"] for s in run["steps"])
+    bound = run["codecs"]["bound_ctx"]["payload_bytes"]
+    for name in ("weighthub", "weighthub_v1", "weighthub_fast", "dense", "dense_zstd", "sparserl",
+                 "sparserl_zstd", "nemo", "bound_order0", "bound_ctx"):
+        c = run["codecs"][name]
+        assert c["payload_bytes"] > 0
+        assert c["dense_bytes"] == 3 * (300 * 200 + 5000) * 2
+        assert c["bits_per_changed_word"] == pytest.approx(8 * c["payload_bytes"] / changed)
+        assert c["to_bound_ctx"] == pytest.approx(c["payload_bytes"] / bound)
+    assert run["codecs"]["sparserl"]["bits_per_changed_word"] == pytest.approx(48.0)  # 4+2 bytes
+    assert doc["config"]["policies"]["weighthub_v1"]["ctx"] is False
+    assert doc["config"]["policies"]["weighthub"]["ctx"] is True
+    assert doc["config"]["policies"]["weighthub_fast"] == {**doc["config"]["policies"]["weighthub"],
+                                                          "groups": False, "ctx": False}
+    # coder speed on the one step with 1-3% changed (the tiny steps change ~2%, 4%, 6%)
+    (speed,) = run["codec_speed"]
+    step = run["steps"][speed["step"] - 1]
+    assert speed["step"] == 1 and speed["in_range"] and speed["change_rate"] == step["change_rate"]
+    assert speed["changed"] == step["changed"] and speed["state_bytes"] == step["numel"] * 2
+    assert set(speed["gbps"]) == {"xor", "scan", "encode_compact", "encode_fast", "pause_staged",
+                                  "pause_fast"}
+    assert all(0 < f["worst"] <= f["median"] <= f["best"] for f in speed["gbps"].values())
+    assert speed["ratio_to_xor"]["encode_compact"] == pytest.approx(
+        speed["gbps"]["encode_compact"]["best"] / speed["gbps"]["xor"]["best"])
     assert run["codecs"]["weighthub"]["encode_gbps"] > 0
     assert run["codecs"]["weighthub"]["apply_gbps"] > 0
     assert len(run["steps"]) == 3 and "throughput" in run["steps"][-1]
@@ -220,12 +284,14 @@ def test_report_and_plots(tiny_doc: dict[str, Any], tmp_path: Any) -> None:
     assert names == ["payload.png", "throughput.png", "projection.png"]
     assert all((tmp_path / n).stat().st_size > 1000 for n in names)
     text = report.render(tiny_doc, names)
-    for heading in ("## Targets", "## Payload", "## Throughput", "## Projection", "## Bounds"):
+    for heading in ("## Targets", "## Payload", "## Throughput", "## Coder speed", "## Projection",
+                    "## Bounds"):
         assert heading in text
+    assert "| weighthub | weighthub_v1 | weighthub_fast |" in text
     # every goal is explained, and the report says it measures rather than gates
     targets_section = text.split("## Targets", 1)[1].split("## Payload", 1)[0]
     assert "does not gate" in targets_section
-    for label, *_ in (*targets.SIZE_TARGETS, *targets.SPEED_TARGETS):
+    for label, *_ in (*targets.SIZE_TARGETS, *targets.SPEED_TARGETS, *targets.CODEC_SPEED_TARGETS):
         assert f"- **{label}**:" in targets_section
 
 

@@ -101,21 +101,30 @@ def test_encoded_streams_match_the_spec(dtype: DType, case, offset: int) -> None
             assert seg.positions == Positions.ALL and seg.values == Values.RAW
             assert seg.val_bytes.tobytes() == new.astype(np.dtype(dtype.uint).newbyteorder("<")).tobytes()
         return
-    ref = ref_segment(old, new, dtype, seg.positions, seg.values, start=100)
-    assert seg.op == OP_FOR[seg.values]
+    ref = ref_segment(old, new, dtype, seg.positions, seg.values, start=100, op=seg.op)
+    if seg.values == Values.CTX:  # ctx codes xor or add entries, whichever codes smaller
+        assert seg.op in (Op.XOR, Op.ADD) and dtype.is_float
+    else:
+        assert seg.op == OP_FOR[seg.values]
     assert (seg.start, seg.stop, seg.count) == (ref.start, ref.stop, ref.count)
     assert seg.pos_bytes.tobytes() == ref.pos_bytes.tobytes()
     assert seg.val_bytes.tobytes() == ref.val_bytes.tobytes()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@given(case=pairs, positions=st.sampled_from([Positions.GAPS, Positions.GROUPS, Positions.BITMAP]),
-       values=st.sampled_from(list(Values)))
-def test_every_forced_coding_decodes(dtype: DType, case, positions: Positions, values: Values) -> None:
+@given(case=pairs, positions=st.sampled_from([Positions.GAPS, Positions.GROUPS, Positions.BITMAP,
+                                              Positions.CTX]),
+       values=st.sampled_from([Values.RAW, Values.VARINT, Values.ZIGZAG]), add=st.booleans())
+def test_every_forced_coding_decodes(dtype: DType, case, positions: Positions, values: Values,
+                                     add: bool) -> None:
     old, new = make_pair(dtype, *case)
-    if positions == Positions.GROUPS and not dtype.is_float:
+    if positions in (Positions.GROUPS, Positions.CTX) and not dtype.is_float:
         positions = Positions.GAPS
-    roundtrip(ref_segment(old, new, dtype, positions, values), old, new, dtype)
+    if positions == Positions.CTX:  # both streams together, xor or add entries
+        seg = ref_segment(old, new, dtype, positions, Values.CTX, op=Op.ADD if add else Op.XOR)
+    else:
+        seg = ref_segment(old, new, dtype, positions, values)
+    roundtrip(seg, old, new, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -170,8 +179,12 @@ def test_edge_shapes(dtype: DType) -> None:
     empty = old[:0].copy()
     assert encode_segment(empty, empty.copy(), dtype, tensor=0, start=0) is None
     for positions in (Positions.GAPS, Positions.BITMAP):
-        for values in Values:
+        for values in (Values.RAW, Values.VARINT, Values.ZIGZAG):
             roundtrip(ref_segment(one_old, one_new, dtype, positions, values), one_old, one_new, dtype)
+    if dtype.is_float:
+        for op in (Op.XOR, Op.ADD):
+            roundtrip(ref_segment(one_old, one_new, dtype, Positions.CTX, Values.CTX, op=op),
+                      one_old, one_new, dtype)
 
 
 def test_distinguishes_signed_zero_and_nan_payloads() -> None:

@@ -90,8 +90,12 @@ def test_every_position_coding_and_op(op: Op, positions: Positions) -> None:
     _round_trip(seg, old, new)
 
 
+V1 = EncodePolicy(ctx=False)
+
+
 def test_group_probe_on_small_windows(monkeypatch: pytest.MonkeyPatch) -> None:
     # magnitude-dependent changes (small weights change more): the probe must let groups win
+    # (groups as `compact` codes them with the context coding off; ctx needs no probe)
     old, _ = _pair(0.0, seed=3)
     rng = np.random.default_rng(3)
     exp = (old >> 7) & 0xFF
@@ -99,12 +103,12 @@ def test_group_probe_on_small_windows(monkeypatch: pytest.MonkeyPatch) -> None:
     hit = rng.random(N) < np.where(exp < 118, 0.3, 0.002)
     new[hit] += 1
     monkeypatch.setattr(S, "_PROBE_WINDOW", 4096)
-    seg = encode_segment(old, new, BF16, tensor=0, start=0)
+    seg = encode_segment(old, new, BF16, tensor=0, start=0, policy=V1)
     assert seg is not None and seg.positions == Positions.GROUPS
     _round_trip(seg, old, new)
     # uniform changes: the probe skips the grouped pass
     old, new = _pair(0.01, seed=4)
-    seg = encode_segment(old, new, BF16, tensor=0, start=0)
+    seg = encode_segment(old, new, BF16, tensor=0, start=0, policy=V1)
     assert seg is not None and seg.positions == Positions.GAPS
     _round_trip(seg, old, new)
 

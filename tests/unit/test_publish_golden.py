@@ -6,6 +6,8 @@ world-size-1 case of the sharded publisher). Every stored object counts: manifes
 anchors, skip deltas) and chunk frames, after a restarted publisher adopted the store, and after
 retention deleted old versions. Only the random chunk-directory tokens, the publisher id and the
 `created` time are masked (tests/store_golden.py); every other byte must stay as it was.
+Those goldens pin `EncodePolicy(ctx=False)`, the `compact` profile before the context coding
+(issue #16); GOLDEN_CTX pins today's `compact`, context coding on.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import torch
 
 from store_golden import digest_by_version, masked_objects
+from weighthub import catalog
+from weighthub.codec import EncodePolicy
 from weighthub.publish import ENCODE_PROFILES, Publisher
 from weighthub.store.memory import MemoryStore
 
@@ -64,11 +68,14 @@ def trajectory(steps: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def _publish_trajectory() -> MemoryStore:
+V1 = EncodePolicy(ctx=False)  # `compact` as the goldens were recorded
+
+
+def _publish_trajectory(policy: EncodePolicy = V1) -> MemoryStore:
     states = trajectory(10)
     store = MemoryStore()
     opts = dict(anchor_every=3, skip_every=2, delta_span_bytes=SPAN, full_span_bytes=SPAN,
-                policy=ENCODE_PROFILES["compact"])
+                policy=policy)
     pub = Publisher(store, workers=2, **opts)
     for state in states[:8]:
         pub.publish(state)
@@ -107,11 +114,34 @@ def test_publisher_output_is_byte_identical_to_the_golden_digests() -> None:
     assert got == GOLDEN
 
 
+GOLDEN_CTX = {
+    "v000000000000": "7:ec9798238369f970577b3a70e9a471f8",
+    "v000000000001": "7:a780f6cd65c67828821c99e785c924aa",
+    "v000000000002": "14:2a9fa78d1a73cbb129c941eb44f9ec34",
+    "v000000000003": "14:4b5f33c2a19aa138ba16bd4756c95b2f",
+    "v000000000004": "14:9956e87ce47e1052511f7d0bdc7de6ce",
+    "v000000000005": "7:1d55c7a721a786f65a735f41e7d6b5a0",
+    "v000000000006": "21:1757c5982103d5ab18408ba81e121fcb",
+    "v000000000007": "7:bdb756154334735c102b1561133349b9",
+    "v000000000008": "7:494281bb186dd836bc4aa0a952ab7836",
+    "v000000000009": "14:f34475ed8629ad70bdf37f72f27fdd18",
+}
+
+
+def test_context_coded_output_is_byte_identical_to_its_golden_digests() -> None:
+    store = _publish_trajectory(ENCODE_PROFILES["compact"])
+    got = digest_by_version(masked_objects(store))
+    print(got)
+    ops = {o for v in range(1, 10) for t in catalog.primary_manifest(store, v).tensors for o in t.ops}
+    assert {"xor/ctx/ctx", "add/ctx/ctx"} & ops, ops
+    assert got == GOLDEN_CTX
+
+
 def test_retention_leaves_the_golden_objects() -> None:
     states = trajectory(7)
     store = MemoryStore()
     pub = Publisher(store, anchor_every=2, retain=3, skip_every=3, delta_span_bytes=SPAN,
-                    full_span_bytes=2 * SPAN, workers=1)
+                    full_span_bytes=2 * SPAN, workers=1, policy=V1)
     for state in states:
         pub.publish(state)
     objects = masked_objects(store)

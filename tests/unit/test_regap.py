@@ -5,7 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from weighthub.codec import EncodePolicy, Positions, UndoLog, apply_segment, encode_segment, regap_segment
+from weighthub.codec import (
+    EncodePolicy,
+    Positions,
+    UndoLog,
+    Values,
+    apply_segment,
+    encode_segment,
+    regap_segment,
+)
 from weighthub.errors import FormatError
 from weighthub.tensors import DTYPE_BY_NAME
 
@@ -24,23 +32,39 @@ def _grouped_pair(n: int = 200_000, seed: int = 0) -> tuple[np.ndarray, np.ndarr
     return old, new
 
 
-def test_regap_applies_bit_exact_and_uses_gaps() -> None:
-    old, new = _grouped_pair()
-    seg = encode_segment(old, new, BF16, tensor=0, start=0, policy=EncodePolicy(groups=True))
-    assert seg is not None and seg.positions == Positions.GROUPS
-    fast = regap_segment(seg, old, BF16, "test")
-    assert fast.positions == Positions.GAPS and fast.count == seg.count
+def _applies_exactly(seg, old: np.ndarray, new: np.ndarray) -> None:
     dst = old.copy()
     undo = UndoLog()
-    apply_segment(fast, dst, BF16, undo, "test")
+    apply_segment(seg, dst, BF16, undo, "test")
     assert np.array_equal(dst, new)
     undo.rollback()
     assert np.array_equal(dst, old)
 
 
+def test_regap_applies_bit_exact_and_uses_gaps() -> None:
+    old, new = _grouped_pair()
+    seg = encode_segment(old, new, BF16, tensor=0, start=0, policy=EncodePolicy(groups=True, ctx=False))
+    assert seg is not None and seg.positions == Positions.GROUPS
+    fast = regap_segment(seg, old, BF16, "test")
+    assert fast.positions == Positions.GAPS and fast.count == seg.count
+    _applies_exactly(fast, old, new)
+
+
+def test_regap_decodes_a_ctx_segment_to_gaps_while_staging() -> None:
+    """The default profile's ctx segment is decoded against the held words before the pause,
+    so the pause runs the same gap kernel as for `fast` segments."""
+    old, new = _grouped_pair()
+    seg = encode_segment(old, new, BF16, tensor=0, start=0)
+    assert seg is not None and seg.positions == Positions.CTX
+    fast = regap_segment(seg, old, BF16, "test")
+    assert (fast.positions, fast.op, fast.count) == (Positions.GAPS, seg.op, seg.count)
+    assert fast.values in (Values.VARINT, Values.ZIGZAG)
+    _applies_exactly(fast, old, new)
+
+
 def test_regap_of_a_corrupt_group_stream_fails_before_anything_is_applied() -> None:
     old, new = _grouped_pair()
-    seg = encode_segment(old, new, BF16, tensor=0, start=0, policy=EncodePolicy(groups=True))
+    seg = encode_segment(old, new, BF16, tensor=0, start=0, policy=EncodePolicy(groups=True, ctx=False))
     assert seg is not None
     broken = seg.pos_bytes.copy()
     broken[-1] ^= 0x80  # the last varint now claims a continuation byte that is not there

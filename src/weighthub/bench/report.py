@@ -4,11 +4,17 @@ JSON document (keys other tools read are marked *):
   runs*: list of runs, each
     trajectory*  name; kind: real | synthetic; meta: the trajectory's metadata
     change_rate* changed words / words, over all steps
-    codecs*      name → {payload_bytes*, dense_bytes*, ratio, bits_per_changed_word}, summed over
-                 steps, for weighthub, weighthub_fast, dense, dense_zstd, sparserl, sparserl_zstd,
-                 nemo, bound_order0, bound_ctx; weighthub and weighthub_fast also carry
-                 encode_gbps*, apply_gbps* (1 thread, GB/s of dense parameter bytes) and _2t twins
+    codecs*      name → {payload_bytes*, dense_bytes*, ratio (to dense), bits_per_changed_word
+                 (payload bytes·8 / changed words), to_bound_ctx (payload / bound_ctx)}, summed
+                 over steps, for weighthub (`compact`, ctx on), weighthub_v1 (compact before
+                 ctx), weighthub_fast (`fast`), dense, dense_zstd, sparserl, sparserl_zstd, nemo,
+                 bound_order0, bound_ctx; weighthub and weighthub_fast also carry encode_gbps*,
+                 apply_gbps* (1 thread, GB/s of dense parameter bytes) and _2t twins
     throughput   figure → threads → {best, median, worst} GB/s (median over timed steps)
+    codec_speed  [{step, change_rate, in_range (1–3%), gbps: {xor, scan, encode_compact,
+                 encode_fast, pause_staged, pause_fast: spread}, ratio_to_xor, pause_ratio,
+                 ctx: {changed, compact_stream_bytes, mbps: {ctx_encode, ctx_decode: spread},
+                 ns_per_word}}], one thread (bench.codec_speed)
     e2e_seconds  publish → pull through a LocalStore: {median, max} over steps
     composition  [{k, composed_bytes, singles_bytes, ratio, …}]
     steps        the same per step (codecs, change_rate, seconds, throughput where timed)
@@ -22,13 +28,15 @@ import time
 from typing import Any
 
 from . import bounds, projection
-from .targets import EXPLAIN, SIZE_TARGETS, SPEED_TARGETS
+from .targets import CODEC_SPEED_TARGETS, EXPLAIN, SIZE_TARGETS, SPEED_TARGETS
 
-CODEC_ORDER = ("weighthub", "weighthub_fast", "nemo", "sparserl_zstd", "sparserl", "dense_zstd",
-               "dense", "bound_order0", "bound_ctx")
+CODEC_ORDER = ("weighthub", "weighthub_v1", "weighthub_fast", "nemo", "sparserl_zstd", "sparserl",
+               "dense_zstd", "dense", "bound_order0", "bound_ctx")
 CODEC_NOTES = {
-    "weighthub": "chunk frames as written by Publisher (headers included), exponent groups on",
-    "weighthub_fast": "same, exponent-grouped positions off (faster decode)",
+    "weighthub": "chunk frames as written by Publisher (headers included), `compact` profile "
+                 "(context coding on)",
+    "weighthub_v1": "same, `compact` before the context coding (exponent groups, order-0 streams)",
+    "weighthub_fast": "same, `fast` profile (plain gaps, no groups, no ctx)",
     "nemo": "uint16 gaps (escape) + XOR values, zstd-1",
     "sparserl_zstd": "int32 index + raw value, zstd-1",
     "sparserl": "int32 index + raw value",
@@ -70,7 +78,8 @@ def render(doc: dict[str, Any], plots: list[str]) -> str:
            f"{doc['machine']['cpus']} CPUs, {doc['machine']['platform']}; "
            f"{len(runs)} runs in {_secs(doc['seconds'])}. All payloads are summed over every step "
            "of a run; ratios are to dense bf16 bytes.", ""]
-    out += _targets(doc["targets"]) + _payloads(runs) + _throughput(runs) + _e2e(runs)
+    out += _targets(doc["targets"]) + _payloads(runs) + _throughput(runs) + _codec_speed(runs)
+    out += _e2e(runs)
     out += _projection(doc) + _formulas()
     if plots:
         out += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
@@ -86,26 +95,38 @@ def _targets(rows: list[dict[str, Any]]) -> list[str]:
            "synthetic runs are checked too and marked. Shortfall = how far the measured figure "
            "is from the threshold, relative to it.", "",
            *(f"- **{label}**: {EXPLAIN[ref]}." for label, ref, _ in SIZE_TARGETS),
-           *(f"- **{label}**: {EXPLAIN[key]}." for label, key, *_ in SPEED_TARGETS),
+           *(f"- **{label}**: {EXPLAIN[key]}." for label, key, *_ in (*SPEED_TARGETS,
+                                                                      *CODEC_SPEED_TARGETS)),
            ""]
     body = [[r["target"], f"{r['trajectory']}{'' if r.get('step') is None else ' step ' + str(r['step'])}"
              f" ({r['kind']}, {_pct(r['change_rate'])})", r["codec"],
              f"{r['measured']:.3f}", f"{r['threshold']}", "yes" if r["met"] else "**no**",
              "–" if r["met"] else f"{r['shortfall']:.0%}"] for r in rows]
+    worse = [f"{r['trajectory']} {r['worst_step_ratio']:.3f}" for r in rows
+             if r["target"].endswith("weighthub_v1") and r.get("worst_step_ratio", 0) > 1]
+    if worse:
+        out += ["Steps where weighthub was larger than weighthub_v1 (worst step's ratio): "
+                + ", ".join(worse) + ".", ""]
     return [*out, *_table(["target", "run", "codec", "measured", "threshold", "met", "shortfall"],
                           body), ""]
 
 
 def _payloads(runs: list[dict[str, Any]]) -> list[str]:
-    out = ["## Payload", "", "Ratio to dense bf16 bytes (bits per changed word in brackets).", ""]
+    out = ["## Payload", "", "Bits per changed word (payload bytes·8 / changed words), and in "
+           "brackets the payload as a multiple of bound_ctx, summed over the run's steps.", ""]
     head = ["run", "changed", *CODEC_ORDER]
     body = []
     for r in runs:
-        cells = [f"{r['codecs'][c]['ratio']:.4f} ({r['codecs'][c]['bits_per_changed_word']:.2f})"
+        bound = r["codecs"]["bound_ctx"]["payload_bytes"]
+        cells = [f"{r['codecs'][c]['bits_per_changed_word']:.2f} "
+                 f"({r['codecs'][c]['payload_bytes'] / bound if bound else 0:.3f}×)"
                  for c in CODEC_ORDER]
         body.append([f"{r['trajectory']} ({r['kind']}, {r['steps_count']} steps)",
                      _pct(r["change_rate"]), *cells])
     out += _table(head, body)
+    out += ["", "Ratio to dense bf16 bytes:", ""]
+    out += _table(head, [[r["trajectory"], _pct(r["change_rate"]),
+                          *(f"{r['codecs'][c]['ratio']:.4f}" for c in CODEC_ORDER)] for r in runs])
     notes = "; ".join(f"`{k}` {v}" for k, v in CODEC_NOTES.items())
     out = [*out, "", f"Codecs: {notes}.", ""]
     comp = [[r["trajectory"], str(c["k"]), f"{c['from_step']}→{c['to_step']}",
@@ -148,6 +169,37 @@ def _throughput(runs: list[dict[str, Any]]) -> list[str]:
                 "building position and value streams and choosing codings; with groups on, also "
                 "the exponent pass over every old word.", ""]
     return out
+
+
+def _codec_speed(runs: list[dict[str, Any]]) -> list[str]:
+    rows = [(r, e) for r in runs for e in r.get("codec_speed", [])]
+    if not rows:
+        return []
+    out = ["## Coder speed, one thread", "",
+           "Side by side on the same buffers, best of the repeats (worst–best in brackets). State "
+           "figures in GB/s of old tensor bytes, with the encoders as a multiple of the XOR pass "
+           "(np.bitwise_xor into a preallocated buffer). Steps: those with 1–3% of the words "
+           "changed, nearest 2% first; a run with none gets its step nearest 2% (marked *, its "
+           "encode-ratio target not checked). ctx coder (codec.ctx.ctx_streams on the scan's "
+           "changes) and ctx decode (codec.ctx.decode_ctx, what a receiver runs while staging) in "
+           "MB/s of compact stream = 4 bytes of position + W bytes of value per changed word, and "
+           "ns per changed word. Pause: apply_segment of the staged (regapped) segment vs the "
+           "same delta coded `fast`.", ""]
+    head = ["run", "step", "changed", "xor", "scan", "encode compact", "encode fast",
+            "ctx coder MB/s, ns/word", "ctx decode MB/s, ns/word", "pause staged", "pause fast"]
+    body = []
+    for r, e in rows:
+        g, x, c = e["gbps"], e["ratio_to_xor"], e["ctx"]
+        ctx_cells = [f"{c['mbps'][k]['best']:.0f} ({c['mbps'][k]['worst']:.0f}–"
+                     f"{c['mbps'][k]['best']:.0f}) {c['ns_per_word'][k]:.1f} ns" if c["changed"]
+                     else "–" for k in ("ctx_encode", "ctx_decode")]
+        body.append([r["trajectory"], f"{e['step']}{'' if e['in_range'] else '*'}",
+                     _pct(e["change_rate"]), _gbps(g["xor"]),
+                     f"{_gbps(g['scan'])} {x['scan']:.2f}×",
+                     f"{_gbps(g['encode_compact'])} {x['encode_compact']:.2f}×",
+                     f"{_gbps(g['encode_fast'])} {x['encode_fast']:.2f}×", *ctx_cells,
+                     _gbps(g["pause_staged"]), f"{_gbps(g['pause_fast'])} ({e['pause_ratio']:.2f}×)"])
+    return [*out, *_table(head, body), ""]
 
 
 def _e2e(runs: list[dict[str, Any]]) -> list[str]:

@@ -2,12 +2,15 @@
 
 A run is one trajectory (a sequence of model states). For each step i-1 → i it records the
 changed fraction; the payload of weighthub (what really goes on the wire: the chunk frames a
-`Publisher` with anchors off writes, headers included), of weighthub with exponent-grouped
-positions off (`weighthub_fast`), of every baseline (bench.baselines) and the entropy bounds
-(bench.bounds); publish → pull seconds through a LocalStore; and, on a few evenly spaced
-steps, encode and decode+apply throughput next to the memcpy/XOR ceilings (bench.throughput).
-After the steps, composition: the direct delta over the last k steps against their k single
-deltas. The JSON document this builds is described in bench.report.
+`Publisher` with anchors off writes, headers included) under each encode policy of POLICIES
+(`weighthub` = the `compact` profile, context coding on; `weighthub_v1` = compact before the
+context coding; `weighthub_fast` = the `fast` profile), of every baseline (bench.baselines) and
+the entropy bounds (bench.bounds); publish → pull seconds through a LocalStore; and, on a few
+evenly spaced steps, encode and decode+apply throughput next to the memcpy/XOR ceilings
+(bench.throughput). After the steps: the single-thread coder figures (bench.codec_speed) on the
+steps nearest 2% changed (those with 1–3% first), and composition: the direct delta over the
+last k steps against their k single deltas. The JSON document this builds is described in
+bench.report.
 """
 
 from __future__ import annotations
@@ -25,17 +28,24 @@ import numpy as np
 import torch
 
 from ..codec import EncodePolicy
+from ..codec.coding import ENCODE_PROFILES
 from ..publish import Publisher
 from ..receive import Receiver
 from ..store import LocalStore, MemoryStore
 from ..targets import StateDictTarget
 from ..tensors import bits, dtype_of
-from . import baselines, bounds, projection, targets, throughput
+from . import baselines, bounds, codec_speed, projection, targets, throughput
 
 Progress = Callable[[str], None]
 
-POLICIES = {"weighthub": EncodePolicy(), "weighthub_fast": EncodePolicy(groups=False)}
-CODECS = ("weighthub", "weighthub_fast", *baselines.BASELINES, "bound_order0", "bound_ctx")
+# weighthub_v1: the `compact` profile as it was before the context coding (issue #16), kept to
+# show what ctx gains on the same deltas
+POLICIES = {"weighthub": ENCODE_PROFILES["compact"], "weighthub_v1": EncodePolicy(ctx=False),
+            "weighthub_fast": ENCODE_PROFILES["fast"]}
+THROUGHPUT_POLICIES = ("weighthub", "weighthub_fast")  # timed in bench.throughput (1 and 2 threads)
+CODECS = (*POLICIES, *baselines.BASELINES, "bound_order0", "bound_ctx")
+# codec_speed: steps with this change rate are the ones its targets are stated for
+SPEED_RATES = (0.01, 0.03)
 
 
 class TrajectoryLike(Protocol):
@@ -98,12 +108,13 @@ def bench_run(traj: TrajectoryLike, kind: str, cfg: BenchConfig,
     t_run = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="weighthub-bench-") as tmp:
         store = LocalStore(tmp)
-        pub = Publisher(store, anchor_every=0)
-        fast = Publisher(MemoryStore(), anchor_every=0, policy=POLICIES["weighthub_fast"])
+        pub = Publisher(store, anchor_every=0, policy=POLICIES["weighthub"])
+        others = {name: Publisher(MemoryStore(), anchor_every=0, policy=policy)
+                  for name, policy in POLICIES.items() if name != "weighthub"}
         rx = Receiver(store, StateDictTarget({}))
         prev_state = traj.state(0)
-        pub.publish(prev_state)
-        fast.publish(prev_state)
+        for p in (pub, *others.values()):
+            p.publish(prev_state)
         if cfg.e2e:
             rx.sync()
         prev = _bits_of(prev_state)
@@ -111,29 +122,31 @@ def bench_run(traj: TrajectoryLike, kind: str, cfg: BenchConfig,
             t0 = time.perf_counter()
             state = traj.state(i)
             cur = _bits_of(state)
-            steps.append(_step(i, state, prev, cur, pub, fast, rx, cfg, i in timed))
+            steps.append(_step(i, state, prev, cur, pub, others, rx, cfg, i in timed))
             s = steps[-1]
             progress(f"{traj.name}: step {i}/{n - 1}: {s['change_rate']:.3%} changed, weighthub "
-                     f"{s['codecs']['weighthub']['ratio']:.4f}× dense, nemo "
-                     f"{s['codecs']['nemo']['ratio']:.4f}×, bound_ctx "
-                     f"{s['codecs']['bound_ctx']['ratio']:.4f}× "
+                     f"{s['codecs']['weighthub']['bits_per_changed_word']:.2f} bits/word "
+                     f"({s['codecs']['weighthub']['to_bound_ctx']:.3f}× bound_ctx), v1 "
+                     f"{s['codecs']['weighthub_v1']['bits_per_changed_word']:.2f}, nemo "
+                     f"{s['codecs']['nemo']['bits_per_changed_word']:.2f} "
                      f"({time.perf_counter() - t0:.1f}s)")
             prev = cur
     run = _summarize(traj, kind, steps)
+    run["codec_speed"] = _codec_speed(traj, steps, cfg, progress)
     run["composition"] = _composition(traj, steps, cfg.compose, progress)
     run["seconds"] = time.perf_counter() - t_run
     return run
 
 
 def _step(i: int, state: Mapping[str, torch.Tensor], prev: dict[str, np.ndarray],
-          cur: dict[str, np.ndarray], pub: Publisher, fast: Publisher, rx: Receiver,
+          cur: dict[str, np.ndarray], pub: Publisher, others: dict[str, Publisher], rx: Receiver,
           cfg: BenchConfig, timed: bool) -> dict[str, Any]:
     r = pub.publish(state)
     pull_s = rx.sync().seconds if cfg.e2e else None
-    rf = fast.publish(state)
     dense, changed = r.dense_bytes, r.changed
-    codecs = {"weighthub": _codec_entry(r.payload_bytes, dense, changed),
-              "weighthub_fast": _codec_entry(rf.payload_bytes, dense, changed)}
+    codecs = {"weighthub": _codec_entry(r.payload_bytes, dense, changed)}
+    for name, p in others.items():
+        codecs[name] = _codec_entry(p.publish(state).payload_bytes, dense, changed)
     for name, size in baselines.baseline_bytes(prev, cur).items():
         codecs[name] = _codec_entry(size, dense, changed)
     b = bounds.EMPTY
@@ -141,13 +154,15 @@ def _step(i: int, state: Mapping[str, torch.Tensor], prev: dict[str, np.ndarray]
         b = b + bounds.delta_bounds(prev[name], cur[name], dtype_of(state[name]))
     codecs["bound_order0"] = {**_codec_entry(b.order0_bytes, dense, changed), "parts": b.to_dict()}
     codecs["bound_ctx"] = {**_codec_entry(b.context_bytes, dense, changed), "parts": b.to_dict()}
+    _add_bound_ratios(codecs)
     doc: dict[str, Any] = {"step": i, "changed": changed, "numel": r.numel,
                            "change_rate": r.changed_fraction, "codecs": codecs,
                            "publish_seconds": r.seconds, "pull_seconds": pull_s,
                            "e2e_seconds": None if pull_s is None else r.seconds + pull_s}
     if timed:
         pairs = [throughput.Pair(prev[name], cur[name], dtype_of(state[name])) for name in sorted(cur)]
-        doc["throughput"] = throughput.measure(pairs, POLICIES, reps=cfg.reps, threads=cfg.threads)
+        doc["throughput"] = throughput.measure(pairs, {n: POLICIES[n] for n in THROUGHPUT_POLICIES},
+                                               reps=cfg.reps, threads=cfg.threads)
     return doc
 
 
@@ -159,6 +174,7 @@ def _summarize(traj: TrajectoryLike, kind: str, steps: list[dict[str, Any]]) -> 
         payload = sum(s["codecs"][name]["payload_bytes"] for s in steps)
         dense = sum(s["codecs"][name]["dense_bytes"] for s in steps)
         codecs[name] = _codec_entry(payload, dense, changed)
+    _add_bound_ratios(codecs)
     timed = [s["throughput"] for s in steps if "throughput" in s]
     tp: dict[str, Any] = {}
     if timed:
@@ -166,7 +182,7 @@ def _summarize(traj: TrajectoryLike, kind: str, steps: list[dict[str, Any]]) -> 
         for what, per in timed[0].items():
             tp[what] = {k: {stat: statistics.median(t[what][k][stat] for t in timed)
                             for stat in ("best", "median", "worst")} for k in per}
-        for name in POLICIES:
+        for name in THROUGHPUT_POLICIES:
             c = codecs[name]
             for k, spread in tp[name].items():  # encode_1t, apply_2t, …
                 op, threads_ = k.split("_")
@@ -182,6 +198,44 @@ def _summarize(traj: TrajectoryLike, kind: str, steps: list[dict[str, Any]]) -> 
     }
 
 
+def _add_bound_ratios(codecs: dict[str, dict[str, Any]]) -> None:
+    """Each codec's payload as a multiple of the context bound (`to_bound_ctx`), in place."""
+    bound = codecs["bound_ctx"]["payload_bytes"]
+    for c in codecs.values():
+        c["to_bound_ctx"] = c["payload_bytes"] / bound if bound else 0.0
+
+
+def speed_steps(steps: list[dict[str, Any]], wanted: int) -> list[dict[str, Any]]:
+    """The steps the coder figures are measured on: up to `wanted` with a change rate in
+    SPEED_RATES (nearest 2% first), else the one step nearest 2%."""
+    lo, hi = SPEED_RATES
+    mid = (lo + hi) / 2
+    by_rate = sorted(steps, key=lambda s: abs(s["change_rate"] - mid))
+    inside = [s for s in by_rate if lo <= s["change_rate"] <= hi]
+    return sorted(inside[:max(1, wanted)] or by_rate[:1], key=lambda s: s["step"])
+
+
+def _codec_speed(traj: TrajectoryLike, steps: list[dict[str, Any]], cfg: BenchConfig,
+                 progress: Progress) -> list[dict[str, Any]]:
+    """bench.codec_speed on the chosen steps (states reloaded: the run keeps only one)."""
+    lo, hi = SPEED_RATES
+    out = []
+    for s in speed_steps(steps, cfg.timed_steps):
+        i = s["step"]
+        old, new = traj.state(i - 1), traj.state(i)
+        pairs = [throughput.Pair(bits(old[n].detach().cpu().contiguous()),
+                                 bits(new[n].detach().cpu().contiguous()), dtype_of(new[n]))
+                 for n in sorted(new)]
+        m = codec_speed.measure(pairs, reps=cfg.reps)
+        out.append({"step": i, "change_rate": s["change_rate"],
+                    "in_range": lo <= s["change_rate"] <= hi, **m})
+        progress(f"{traj.name}: coder speed on step {i} ({s['change_rate']:.2%} changed): encode "
+                 f"compact {m['ratio_to_xor']['encode_compact']:.2f}× XOR, ctx decode "
+                 f"{m['ctx']['mbps']['ctx_decode']['best']:.0f} MB/s, pause "
+                 f"{m['pause_ratio']:.2f}× fast")
+    return out
+
+
 def _composition(traj: TrajectoryLike, steps: list[dict[str, Any]], ks: tuple[int, ...],
                  progress: Progress) -> list[dict[str, Any]]:
     """Direct delta over the last k steps vs the k single deltas, for each k the run allows."""
@@ -191,7 +245,7 @@ def _composition(traj: TrajectoryLike, steps: list[dict[str, Any]], ks: tuple[in
         if k > len(steps):
             continue
         first = last - k
-        pub = Publisher(MemoryStore(), anchor_every=0)
+        pub = Publisher(MemoryStore(), anchor_every=0, policy=POLICIES["weighthub"])
         pub.publish(traj.state(first))
         r = pub.publish(traj.state(last))
         singles = sum(s["codecs"]["weighthub"]["payload_bytes"] for s in steps[first:last])

@@ -17,6 +17,7 @@ from ..errors import FormatError, UsageError
 from ..tensors import DType, readonly
 from . import kernels as K
 from .coding import Op, Positions, check_coding
+from .ctx import decode_ctx
 from .encode import encode_gaps, width_masks
 from .segment import Segment, UndoEntry, UndoLog, check_status
 
@@ -76,10 +77,11 @@ def _check_sparse(seg: Segment, dtype: DType, words: np.ndarray, where: str) -> 
 
 
 def regap_segment(seg: Segment, base: np.ndarray, dtype: DType, where: str) -> Segment:
-    """The same segment with exponent-grouped positions re-coded as plain gaps.
+    """The same segment with exponent-grouped or context-coded positions re-coded as plain gaps
+    (and ctx values as varints or zigzag varints).
 
-    Grouped positions are smaller on the wire but decode at ~1 GB/s because every element's
-    old exponent must be read; plain gaps apply at several GB/s. A receiver calls this while
+    Grouped and ctx positions are smaller on the wire but decode at ~1 GB/s because every
+    element's old exponent must be read; plain gaps apply at several GB/s. A receiver calls this while
     staging, with `base` = the bits it holds now (read only), so the pause runs the fast kernel.
     The result applies only to exactly those base bits (a different base fails its digests).
 
@@ -87,6 +89,9 @@ def regap_segment(seg: Segment, base: np.ndarray, dtype: DType, where: str) -> S
         UsageError: `base` is not the segment's range in the dtype's words.
         FormatError: a coding the format forbids, or a corrupt group table or stream.
     """
+    if seg.positions == Positions.CTX:
+        _check_sparse(seg, dtype, base, where)
+        return decode_ctx(seg, base, dtype, where)
     if seg.positions != Positions.GROUPS:
         return seg
     _check_sparse(seg, dtype, base, where)
@@ -155,6 +160,8 @@ def apply_segment(seg: Segment, dst: np.ndarray, dtype: DType, undo: UndoLog,
     if seg.op == Op.DENSE:
         return _apply_dense(seg, dst, dtype, undo, where, dnew, dold)
     _check_sparse(seg, dtype, dst, where)
+    if seg.positions == Positions.CTX:  # decoded against dst's words before any is changed
+        seg = decode_ctx(seg, dst, dtype, where)
     mask, _ = width_masks(dtype)
     undo_pos = np.empty(seg.count, np.int64)
     undo_val = np.empty(seg.count, dtype.uint)

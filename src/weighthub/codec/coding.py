@@ -28,12 +28,14 @@ class Positions(IntEnum):
     GAPS = 1  # varint gaps between consecutive changed positions
     GROUPS = 2  # varint gaps within groups of equal old exponent (float dtypes)
     BITMAP = 3  # one bit per element, little-endian bit order
+    CTX = 4  # range-coded group rank gaps, in context of the old exponent (float dtypes)
 
 
 class Values(IntEnum):
     RAW = 1  # full words, little-endian
     VARINT = 2  # unsigned LEB128 varint (XOR values)
     ZIGZAG = 3  # zigzag LEB128 varint of the wrap-around difference (ADD values)
+    CTX = 4  # range-coded XOR or zigzag difference, in context of the old exponent
 
 
 # What can be applied inversely (a version back to its base, format/spec.md §2): xor and add
@@ -62,7 +64,8 @@ def coding_invertible(name: str) -> bool:
 
 # The codings a reader accepts (format/spec.md §2). Writers emit dense/all/raw and, for the
 # sparse ops, xor/varint, add/zigzag and overwrite/raw; xor and add may also carry their values
-# as raw words (the same z, W bytes each). Anything else is refused before anything is applied.
+# as raw words (the same z, W bytes each), and both streams of xor and add may be context-coded
+# together (xor/ctx/ctx, add/ctx/ctx). Anything else is refused before anything is applied.
 _SPARSE_VALUES = {
     Op.XOR: frozenset({Values.VARINT, Values.RAW}),
     Op.ADD: frozenset({Values.ZIGZAG, Values.RAW}),
@@ -80,7 +83,8 @@ def check_coding(op: Op, positions: Positions, values: Values, where: str, *,
 
     Raises:
         FormatError: `all` positions or raw values missing on a dense segment, `all` on a
-            sparse one, a value coding its op does not take, or `groups` on an integer dtype.
+            sparse one, a value coding its op does not take, `ctx` on one stream only or with
+            overwrite, or `groups`/`ctx` on an integer dtype.
     """
     if op == Op.DENSE:
         if positions != Positions.ALL or values != Values.RAW:
@@ -90,6 +94,16 @@ def check_coding(op: Op, positions: Positions, values: Values, where: str, *,
     if positions == Positions.ALL:
         raise FormatError(f"{where}: positions 'all' with op {op.name.lower()}: only a dense "
                           "segment covers every element")
+    if (positions == Positions.CTX) != (values == Values.CTX) or (
+            positions == Positions.CTX and op not in _INVERTIBLE_OPS):
+        raise FormatError(f"{where}: {op.name.lower()}/{positions.name.lower()}/"
+                          f"{values.name.lower()}: context coding codes positions and values "
+                          "together, for xor or add only (xor/ctx/ctx, add/ctx/ctx)")
+    if positions == Positions.CTX:
+        if is_float is False:
+            raise FormatError(f"{where}: context-coded positions on an integer dtype (ctx needs "
+                              "an exponent field)")
+        return
     if values not in _SPARSE_VALUES[op]:
         allowed = sorted(v.name.lower() for v in _SPARSE_VALUES[op])
         raise FormatError(f"{where}: op {op.name.lower()} with {values.name.lower()} values; "
@@ -119,6 +133,9 @@ class EncodePolicy:
       element; on deltas whose changes do not depend on magnitude it never wins).
     value_sample: choose the value coding from byte histograms of at most about this many
       changed elements (evenly strided); 0 = all of them.
+    ctx: with `groups`, code float segments' positions and values with the range coder in
+      context of the old exponents (xor/ctx/ctx, add/ctx/ctx) instead of exponent-grouped
+      varints: the same context, coded near its entropy. Like `groups`, not invertible.
     """
 
     mask_ops: bool = True
@@ -126,16 +143,20 @@ class EncodePolicy:
     min_group_count: int = 256  # below this the group table costs more than it saves
     group_probe: bool = True
     value_sample: int = 1 << 16
+    ctx: bool = True
 
 
-# Named encoder policies (Publisher(policy=...), `weighthub publish --encode NAME`). Measured on
-# 2 cores with the shaped bench's real delta (MiniLM lr 3e-6 step 2→3 tiled to 520 MiB, 1.3% of
-# the words changed): "compact" (the default: exponent-grouped positions where a probe says they
-# pay) sends 3.37 MiB and publishes in ~530 ms; "fast" (plain gaps) sends 3.97 MiB (+18%) in
-# ~360 ms, and its receivers skip the grouped-position decode while staging (an O(model) scan
-# of the held bits, ~0.3 s here). On a 1 Gbit/s link the 0.6 MiB cost ~5 ms: "fast" is the
-# better choice there. On deltas whose change does not depend on magnitude both send the same.
+# Named encoder policies (Publisher(policy=...), `weighthub publish --encode NAME`).
+# "compact" (the default) codes float xor/add segments with the context coder (`ctx`): positions
+# and values in context of the old exponents, near the context entropy bound (`weighthub bench`:
+# bits per changed word against bound_ctx, per trajectory). It costs encoder time (~100 ns per
+# changed word on one core, besides the scan) and a receiver decodes it while staging (an
+# O(range) pass over the held words plus ~60 ns per changed word), never in the pause. "fast"
+# (plain gaps, order-0 varints under zstd) sends more bytes but encodes several times faster and
+# stages with no pass over the held bits: the better choice on fast links. Neither profile's
+# deltas invert where ctx or groups were used (they rank by the old exponents): rollback then
+# takes an anchor.
 ENCODE_PROFILES: dict[str, EncodePolicy] = {
     "compact": EncodePolicy(),
-    "fast": EncodePolicy(groups=False),
+    "fast": EncodePolicy(groups=False, ctx=False),
 }

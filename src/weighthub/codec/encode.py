@@ -18,6 +18,7 @@ from ..errors import UsageError
 from ..tensors import DType, readonly
 from . import kernels as K
 from .coding import EncodePolicy, Op, Positions, Values
+from .ctx import ctx_streams
 from .segment import Segment
 
 DEFAULT_POLICY = EncodePolicy()
@@ -156,6 +157,13 @@ def _groups_promising(old: np.ndarray, pos: np.ndarray, dtype: DType) -> bool:
 
 def _choose_values(ch: _Changes, dtype: DType, policy: EncodePolicy
                    ) -> tuple[float, Op, Values, np.ndarray]:
+    """The smallest allowed value coding by order-0 entropy, estimated on a strided sample,
+    and its stream."""
+    est, op, codec = _pick_values(ch, dtype, policy)
+    return est, op, codec, _encode_vals(ch, codec, dtype)
+
+
+def _pick_values(ch: _Changes, dtype: DType, policy: EncodePolicy) -> tuple[float, Op, Values]:
     """The smallest allowed value coding by order-0 entropy, estimated on a strided sample."""
     count = ch.pos.size
     stride = max(1, count // policy.value_sample) if policy.value_sample > 0 else 1
@@ -168,8 +176,7 @@ def _choose_values(ch: _Changes, dtype: DType, policy: EncodePolicy
     if policy.mask_ops:
         candidates = [(_entropy_of_hist(hists[0], scale), Op.ADD, Values.ZIGZAG),
                       (_entropy_of_hist(hists[1], scale), Op.XOR, Values.VARINT), *candidates]
-    est, op, codec = min(candidates, key=lambda c: c[0])
-    return est, op, codec, _encode_vals(ch, codec, dtype)
+    return min(candidates, key=lambda c: c[0])
 
 
 def _dense_segment(tensor: int, start: int, new: np.ndarray) -> Segment:
@@ -238,10 +245,19 @@ def _encode(old: np.ndarray, new: np.ndarray, dtype: DType, tensor: int, start: 
     if pos.size == 0:
         return None
     dense_est = n * dtype.width * (_DENSE_RATIO if dtype.is_float else 1.0)
+    ctx = None
+    if policy.ctx and policy.groups and policy.mask_ops and dtype.is_float:
+        ctx = _ctx_segment(old, ch, dtype, tensor, start, policy)
+        if ctx is not None and pos.size >= _CTX_SURE:
+            # on this many changes the context coder's adaptive models have learnt what order-0
+            # coders cannot (measured on every real and synthetic trajectory of the bench), so
+            # the other candidates are not built: only dense could still win
+            ctx_bytes = ctx.pos_bytes.size + ctx.val_bytes.size
+            return ctx if ctx_bytes < dense_est + _INVERTIBLE_SLACK else _dense_segment(tensor, start, new)
 
     # positions: gaps always; groups for floats with enough changes; bitmap when dense-ish
     candidates = _position_candidates(pos, n)
-    if (policy.groups and dtype.is_float and pos.size >= policy.min_group_count
+    if (ctx is None and policy.groups and dtype.is_float and pos.size >= policy.min_group_count
             and (not policy.group_probe or n < 4 * _PROBE_WINDOWS * _PROBE_WINDOW
                  or _groups_promising(old, pos, dtype))):
         grouped = _encode_groups(old, pos, dtype)
@@ -256,10 +272,28 @@ def _encode(old: np.ndarray, new: np.ndarray, dtype: DType, tensor: int, start: 
         sparse_bytes, dense_bytes = float(pos_bytes.size + val_bytes.size), float(n * dtype.width)
     else:
         sparse_bytes, dense_bytes = pos_est + val_est, dense_est
+    if ctx is not None and ctx.pos_bytes.size + ctx.val_bytes.size < min(sparse_bytes, dense_bytes):
+        return ctx
     if sparse_bytes >= dense_bytes + _INVERTIBLE_SLACK:
         return _dense_segment(tensor, start, new)
     return Segment(tensor, start, start + n, op, pos_codec, val_codec, int(pos.size),
                    pos_bytes, val_bytes)
+
+
+# Changes above which a ctx segment is taken without building the order-0 candidates.
+_CTX_SURE = 4096
+
+
+def _ctx_segment(old: np.ndarray, ch: _Changes, dtype: DType, tensor: int, start: int,
+                 policy: EncodePolicy) -> Segment | None:
+    """The context-coded segment of these changes, or None where its op would be overwrite
+    (values that xor/add do not code smaller: ctx codes only those two)."""
+    _est, op, _codec = _pick_values(ch, dtype, policy)
+    if op == Op.OVERWRITE:
+        return None
+    pos_bytes, val_bytes = ctx_streams(old, ch.pos, ch.old, ch.new, dtype, op)
+    return Segment(tensor, start, start + old.size, op, Positions.CTX, Values.CTX,
+                   int(ch.pos.size), pos_bytes, val_bytes)
 
 
 def _position_candidates(pos: np.ndarray, n: int) -> list[tuple[float, Positions, np.ndarray]]:

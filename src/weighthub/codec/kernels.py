@@ -30,6 +30,7 @@ STREAM_OVERRUN = -1  # a varint or value ran past the end of its stream
 POSITION_OUT_OF_RANGE = -2  # a decoded position beyond the segment's range
 TRAILING_BYTES = -3  # the stream has bytes left over after `count` entries
 BAD_VARINT = -4  # a varint longer than 10 bytes
+BAD_CODE = -5  # an entropy-coded stream decodes to a value the format forbids
 
 # the wire ids (codec.coding) as plain ints: numba folds module-level ints as constants
 OP_XOR, OP_ADD, OP_OVERWRITE = int(Op.XOR), int(Op.ADD), int(Op.OVERWRITE)
@@ -126,6 +127,15 @@ def encode_gaps(pos, count, out):
         p = pos[t]
         g = _put_varint(out, g, np.uint64(p - prev - 1))
         prev = p
+    return g
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def encode_varints(vals, count, out):
+    """One varint per uint64 value (already XOR or zigzag). Returns bytes used."""
+    g = 0
+    for t in range(count):
+        g = _put_varint(out, g, vals[t])
     return g
 
 

@@ -83,6 +83,9 @@ _STATUS = {
     K.POSITION_OUT_OF_RANGE: "a position is out of range or not increasing",
     K.TRAILING_BYTES: "a stream has bytes left after its last entry",
     K.BAD_VARINT: "a varint is longer than 10 bytes",
+    K.BAD_CODE: "a context-coded stream decodes to a value the format forbids (a group table "
+                "out of range, a bit length over 64, a gap past the range, or a final code "
+                "that is not 0)",
 }
 
 

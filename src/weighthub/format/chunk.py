@@ -65,8 +65,12 @@ class ChunkFrame:
     segments: tuple[Segment, ...]
 
 
-def encode_chunk(segments: list[Segment], *, compress: bool = True) -> bytes:
-    """Serialize segments into one chunk frame."""
+def encode_chunk(segments: list[Segment], *, compress: bool | None = None) -> bytes:
+    """Serialize segments into one chunk frame.
+
+    compress: zstd the body; None (the default) does unless nearly all of it is context-coded
+    streams, which are already at their entropy and would only cost zstd's time.
+    """
     table = bytearray()
     for s in segments:
         table += _SEGMENT.pack(s.tensor, s.op, s.positions, s.values, 0, s.start, s.stop,
@@ -76,6 +80,10 @@ def encode_chunk(segments: list[Segment], *, compress: bool = True) -> bytes:
     if raw_len > MAX_BODY_BYTES:
         raise LimitError(f"chunk body of {raw_len} bytes exceeds the {MAX_BODY_BYTES} limit; "
                          "use a smaller chunk span")
+    if compress is None:
+        coded = sum(s.pos_bytes.size + s.val_bytes.size for s in segments
+                    if s.positions == Positions.CTX)
+        compress = coded == 0 or coded * 8 < raw_len * 7
     if compress:
         cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
         chunker = cctx.chunker(size=raw_len)

@@ -128,11 +128,12 @@ def check_segments(frame: ChunkFrame, ref: ChunkRef, m: Manifest, where: str, *,
 
 def regap(seg: Segment, specs: list[TensorSpec], base_bits: dict[str, np.ndarray],
           where: str) -> Segment:
-    """Decode a segment's exponent-grouped positions against the held bits (before the pause)."""
+    """Decode a segment's exponent-grouped or context-coded positions (and ctx values) against
+    the held bits, before the pause."""
     spec = specs[seg.tensor]
     base = base_bits.get(spec.name)
-    if seg.positions != Positions.GROUPS or base is None or base.dtype != spec.dtype.uint \
-            or base.size != spec.numel:
+    if seg.positions not in (Positions.GROUPS, Positions.CTX) or base is None \
+            or base.dtype != spec.dtype.uint or base.size != spec.numel:
         return seg  # nothing to do, or a mismatch the apply step reports properly
     return regap_segment(seg, base[seg.start: seg.stop], spec.dtype, where)
 

@@ -1,0 +1,205 @@
+"""Coder throughput on one thread, side by side on the same buffers (issue #16 item 4).
+
+For one delta (old → new over many tensors, one segment per tensor), in one run, round-robin
+over `reps` repeats so that every figure sees the same machine noise:
+
+    xor             np.bitwise_xor(old, new, out=preallocated): the ceiling of any encoder
+    scan            codec.changed_positions: change detection alone
+    encode_compact  encode_segment with the `compact` profile (context coding on)
+    encode_fast     encode_segment with the `fast` profile (plain gaps, no ctx, no groups)
+    ctx_encode      the ctx coder alone: codec.ctx.ctx_streams on the scan's compacted changes
+    ctx_decode      codec.ctx.decode_ctx (ctx streams → plain gaps + varint/zigzag against the
+                    base words): what a receiver runs while staging
+    pause_staged    apply_segment of the staged segment (the compact one after regap_segment)
+    pause_fast      apply_segment of the same delta coded `fast`
+
+Units. xor, scan, encode and pause: GB/s of state (old tensor bytes, 1e9 per second), and
+encode/scan as a ratio to the XOR pass. ctx_encode and ctx_decode: MB/s of *compact stream*,
+defined as 4 bytes of position + W bytes of value per changed element (W = the dtype's width:
+6 bytes for bf16), i.e. the size of an int32-index + raw-word listing of the same changes, so
+the figure does not depend on how well the coder compresses; and ns per changed word. They
+cover the tensors whose compact segment is ctx-coded (the others have no ctx stream).
+
+Every figure is the best of `reps` passes, with the median and worst kept as the spread.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..codec import Positions, Segment, UndoLog, apply_segment, changed_positions, encode_segment
+from ..codec.apply import regap_segment
+from ..codec.coding import ENCODE_PROFILES, EncodePolicy
+from ..codec.ctx import ctx_streams, decode_ctx
+from .throughput import Pair
+
+POSITION_BYTES = 4  # the compact stream's bytes per changed element, besides the value word
+STATE_FIGURES = ("xor", "scan", "encode_compact", "encode_fast", "pause_staged", "pause_fast")
+CTX_FIGURES = ("ctx_encode", "ctx_decode")
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """One tensor's buffers and the segments the timed passes reuse (built once, untimed)."""
+
+    pair: Pair
+    pos: np.ndarray
+    oldv: np.ndarray
+    newv: np.ndarray
+    compact: Segment | None
+    staged: Segment | None
+    fast: Segment | None
+
+
+def compact_stream_bytes(changed: int, width: int) -> int:
+    """Bytes of the compact stream of `changed` elements of `width` bytes (see module doc)."""
+    return changed * (POSITION_BYTES + width)
+
+
+def _spread(amount: float, seconds: list[float], unit: float) -> dict[str, float]:
+    rates = sorted(amount / s / unit for s in seconds if s > 0) or [0.0]
+    return {"best": rates[-1], "median": statistics.median(rates), "worst": rates[0]}
+
+
+def _prepare(pairs: Sequence[Pair], compact: EncodePolicy, fast: EncodePolicy) -> list[_Prepared]:
+    out = []
+    for i, p in enumerate(pairs):
+        pos = changed_positions(p.old, p.new)
+        c = encode_segment(p.old, p.new, p.dtype, tensor=i, start=0, policy=compact)
+        f = encode_segment(p.old, p.new, p.dtype, tensor=i, start=0, policy=fast)
+        staged = None if c is None else regap_segment(c, p.old, p.dtype, f"bench tensor {i}")
+        out.append(_Prepared(p, pos, p.old[pos], p.new[pos], c, staged, f))
+    return out
+
+
+def measure(pairs: Sequence[Pair], *, reps: int = 3,
+            compact: EncodePolicy = ENCODE_PROFILES["compact"],
+            fast: EncodePolicy = ENCODE_PROFILES["fast"]) -> dict[str, Any]:
+    """Single-thread coder throughput of one delta (see the module docstring for the figures).
+
+    Args:
+        pairs: the tensors of one step (old and new bits).
+        reps: passes per figure; the best is reported with the spread.
+        compact, fast: the two encode policies compared.
+    Returns:
+        {"state_bytes", "changed", "gbps": {figure: spread}, "ratio_to_xor": {figure: best ÷ xor
+        best}, "ctx": {"changed", "segments", "compact_stream_bytes", "wire_bytes", "mbps":
+        {figure: spread}, "ns_per_word": {figure: best}}, "pause_ratio": staged ÷ fast best}.
+    Raises:
+        RuntimeError: a pause or a ctx decode did not reproduce the delta bit-exactly.
+    """
+    if reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _measure(pairs, reps, compact, fast)
+    finally:
+        torch.set_num_threads(prev_threads)
+
+
+def _measure(pairs: Sequence[Pair], reps: int, compact: EncodePolicy,
+             fast: EncodePolicy) -> dict[str, Any]:
+    prep = _prepare(pairs, compact, fast)  # also the warm-up of scan and both encoders
+    n = len(prep)
+    scratch = [np.empty_like(p.new) for p in pairs]
+    ctx_idx = [i for i, t in enumerate(prep) if t.compact is not None
+               and t.compact.positions == Positions.CTX]
+    decoded: list[Segment | None] = [None] * n
+
+    def reset() -> None:
+        for dst, p in zip(scratch, pairs, strict=True):
+            np.copyto(dst, p.old)
+
+    def pause(which: str) -> Callable[[int], object]:
+        def work(i: int) -> None:
+            seg = getattr(prep[i], which)
+            if seg is not None:
+                apply_segment(seg, scratch[i], pairs[i].dtype, UndoLog(), f"bench tensor {i}")
+        return work
+
+    def ctx_encode(i: int) -> None:
+        t, seg = prep[i], prep[i].compact
+        assert seg is not None  # ctx_idx holds only ctx-coded tensors
+        ctx_streams(t.pair.old, t.pos, t.oldv, t.newv, t.pair.dtype, seg.op)
+
+    def ctx_decode(i: int) -> None:
+        seg = prep[i].compact
+        assert seg is not None
+        decoded[i] = decode_ctx(seg, pairs[i].old, pairs[i].dtype, f"bench tensor {i}")
+
+    every = range(n)
+    figures: dict[str, tuple[Callable[[int], object], Sequence[int], bool]] = {
+        "xor": (lambda i: np.bitwise_xor(pairs[i].old, pairs[i].new, out=scratch[i]), every, False),
+        "scan": (lambda i: changed_positions(pairs[i].old, pairs[i].new), every, False),
+        "encode_compact": (lambda i: encode_segment(pairs[i].old, pairs[i].new, pairs[i].dtype,
+                                                    tensor=i, start=0, policy=compact), every, False),
+        "encode_fast": (lambda i: encode_segment(pairs[i].old, pairs[i].new, pairs[i].dtype,
+                                                 tensor=i, start=0, policy=fast), every, False),
+        "ctx_encode": (ctx_encode, ctx_idx, False),
+        "ctx_decode": (ctx_decode, ctx_idx, False),
+        "pause_staged": (pause("staged"), every, True),
+        "pause_fast": (pause("fast"), every, True),
+    }
+    for name, (work, idx, resets) in figures.items():  # warm-up, and the exactness checks
+        if resets:
+            reset()
+        for i in idx:
+            work(i)
+        if resets:
+            _check_exact(name, scratch, pairs)
+    for i in ctx_idx:
+        got, want = decoded[i], prep[i].staged
+        if got is None or want is None or not (np.array_equal(got.pos_bytes, want.pos_bytes)
+                                               and np.array_equal(got.val_bytes, want.val_bytes)):
+            raise RuntimeError(f"decode_ctx of tensor {i} differs from regap_segment's")
+    secs: dict[str, list[float]] = {name: [] for name in figures}
+    for _ in range(reps):  # round-robin: every figure sees the same stretch of machine noise
+        for name, (work, idx, resets) in figures.items():
+            if resets:
+                reset()
+            t0 = time.perf_counter()
+            for i in idx:
+                work(i)
+            secs[name].append(time.perf_counter() - t0)
+    return _result(prep, ctx_idx, secs)
+
+
+def _check_exact(name: str, scratch: list[np.ndarray], pairs: Sequence[Pair]) -> None:
+    bad = [i for i, (dst, p) in enumerate(zip(scratch, pairs, strict=True))
+           if not np.array_equal(dst, p.new)]
+    if bad:
+        raise RuntimeError(f"{name}: not bit-exact on {len(bad)} tensor(s), first {bad[0]}")
+
+
+def _result(prep: list[_Prepared], ctx_idx: list[int], secs: dict[str, list[float]]) -> dict[str, Any]:
+    state = sum(t.pair.old.nbytes for t in prep)
+    changed = sum(int(t.pos.size) for t in prep)
+    gbps = {name: _spread(state, secs[name], 1e9) for name in STATE_FIGURES}
+    xor = gbps["xor"]["best"]
+    ctx_changed = sum(int(prep[i].pos.size) for i in ctx_idx)
+    stream = sum(compact_stream_bytes(int(prep[i].pos.size), prep[i].pair.dtype.width) for i in ctx_idx)
+    wire = 0
+    for i in ctx_idx:
+        seg = prep[i].compact
+        wire += 0 if seg is None else int(seg.pos_bytes.size + seg.val_bytes.size)
+    mbps = {name: _spread(stream, secs[name], 1e6) for name in CTX_FIGURES}
+    ns = {name: (min(secs[name]) * 1e9 / ctx_changed if ctx_changed else 0.0) for name in CTX_FIGURES}
+    fast = gbps["pause_fast"]["best"]
+    return {
+        "state_bytes": state, "changed": changed,
+        "change_rate": changed / sum(t.pair.old.size for t in prep) if prep else 0.0,
+        "tensors": len(prep), "gbps": gbps,
+        "ratio_to_xor": {name: (gbps[name]["best"] / xor if xor else 0.0)
+                         for name in ("scan", "encode_compact", "encode_fast")},
+        "ctx": {"changed": ctx_changed, "segments": len(ctx_idx), "compact_stream_bytes": stream,
+                "wire_bytes": wire, "mbps": mbps, "ns_per_word": ns},
+        "pause_ratio": gbps["pause_staged"]["best"] / fast if fast else 0.0,
+    }

@@ -1,0 +1,98 @@
+"""The context-coded segment coding `ctx` (format/spec.md §2, "Context coding"): the streams of
+a sparse xor/add segment coded against the old words' exponents by an adaptive range coder.
+
+`ctx_streams` builds them from a scan's compacted changes (work ∝ changed elements, plus one
+pass over the old words to rank each change within its exponent group); `decode_ctx` turns a
+ctx segment back into plain gaps and varint/zigzag values against the base words, which is what
+a receiver does while staging so that the pause runs the same fast gap kernel as ever.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from ..errors import FormatError, UsageError
+from ..tensors import DType, readonly
+from . import ctx_kernels as C
+from . import kernels as K
+from .coding import Op, Positions, Values
+from .segment import Segment, check_status
+
+# A coded decision costs at least −log2(1 − P_MIN/P_TOTAL) bits (the probability clamp), a
+# change at least one position decision and four value decisions: a stream of L bytes cannot
+# hold more changes than this many per byte, with margin. A reader refuses a larger declared
+# count before allocating anything for it.
+MAX_CHANGES_PER_VALUE_BYTE = 512
+MAX_CHANGES_PER_POSITION_BYTE = 2048
+
+
+def ctx_streams(old: np.ndarray, pos: np.ndarray, oldv: np.ndarray, newv: np.ndarray,
+                dtype: DType, op: Op) -> tuple[np.ndarray, np.ndarray]:
+    """(positions, values) streams of the ctx coding for these changes of the range `old`.
+
+    Args:
+        old: the range's old words (all of them: ranks count every element of a group).
+        pos: changed positions in the range (int64, strictly increasing); oldv/newv their words.
+        op: XOR or ADD (the values are old ^ new, or the zigzag of new − old).
+    """
+    if op not in (Op.XOR, Op.ADD) or not dtype.is_float:
+        raise UsageError(f"ctx coding takes xor/add on a float dtype, not {op.name} on {dtype.name}")
+    count = int(pos.size)
+    keys = np.empty(count, np.uint64)
+    ranks = np.empty(count, np.int64)
+    done = K.group_ranks(readonly(old), readonly(pos.astype(np.int64, copy=False)), count,
+                         dtype.exponent_shift, np.uint64(dtype.exponent_mask), keys, ranks)
+    if done != count:
+        raise UsageError("ctx coding: positions not increasing or out of range")
+    bits = 8 * dtype.width
+    mask, sign_shift = np.uint64((1 << bits) - 1), bits - 1
+    cap_pos, cap_val = 64 + count * 2 + 64 * (dtype.exponent_mask + 1), 64 + count * 2
+    while True:
+        pos_out, val_out = np.empty(cap_pos, np.uint8), np.empty(cap_val, np.uint8)
+        plen, vlen = C.ctx_encode(keys, ranks, readonly(oldv), readonly(newv), count,
+                                  dtype.exponent_mask + 1, op == Op.XOR, mask, sign_shift,
+                                  pos_out, val_out)
+        if plen <= cap_pos and vlen <= cap_val:
+            return pos_out[:plen], val_out[:vlen]
+        cap_pos, cap_val = 2 * cap_pos + 8 * count, 2 * cap_val + 8 * count
+
+
+def check_ctx_count(seg: Segment, where: str) -> None:
+    """Refuse a ctx segment declaring more changes than its streams can code (spec §2)."""
+    if (seg.count > MAX_CHANGES_PER_VALUE_BYTE * seg.val_bytes.size
+            or seg.count > MAX_CHANGES_PER_POSITION_BYTE * seg.pos_bytes.size):
+        raise FormatError(f"{where}: a ctx segment declares {seg.count} changes in "
+                          f"{seg.pos_bytes.size}+{seg.val_bytes.size} stream bytes; at most "
+                          f"{MAX_CHANGES_PER_VALUE_BYTE} per value byte and "
+                          f"{MAX_CHANGES_PER_POSITION_BYTE} per position byte fit")
+
+
+def decode_ctx(seg: Segment, base: np.ndarray, dtype: DType, where: str) -> Segment:
+    """The same segment with its ctx streams re-coded as plain gaps and varint/zigzag values,
+    decoded against `base` (the range's words the segment applies to; read only).
+
+    Raises:
+        FormatError: corrupt or hostile streams (refused before any work proportional to a
+            declared count that the streams cannot hold).
+    """
+    if seg.positions != Positions.CTX:
+        return seg
+    check_ctx_count(seg, where)
+    count = seg.count
+    out_pos = np.empty(count, np.int64)
+    out_z = np.empty(count, np.uint64)
+    status = C.ctx_decode(readonly(base), dtype.exponent_shift, np.uint64(dtype.exponent_mask),
+                          readonly(seg.pos_bytes), readonly(seg.val_bytes), count, out_pos, out_z)
+    check_status(int(status), where)
+    mask = np.uint64((1 << (8 * dtype.width)) - 1)
+    if count and int(out_z.max()) > int(mask):
+        raise FormatError(f"{where}: corrupt segment: a ctx value wider than {dtype.name}")
+    gaps = np.empty(10 * count + 16, np.uint8)
+    glen = K.encode_gaps(readonly(out_pos), count, gaps)
+    vals = np.empty(10 * count + 16, np.uint8)
+    vlen = K.encode_varints(readonly(out_z), count, vals)
+    return replace(seg, positions=Positions.GAPS,
+                   values=Values.VARINT if seg.op == Op.XOR else Values.ZIGZAG,
+                   pos_bytes=gaps[:glen], val_bytes=vals[:vlen])

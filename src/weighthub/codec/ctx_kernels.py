@@ -1,0 +1,325 @@
+"""Compiled kernels of the context-coded segment coding `ctx` (format/spec.md §2, "Context
+coding"): the two streams, coded with codec.rangecoder.
+
+Positions: the changed elements' ranks within their old-exponent group (as `groups`), coded per
+group as Golomb gaps whose unary part is modelled adaptively per group; the group table (keys,
+counts, Golomb parameters) is range-coded at the stream's head. Values: one symbol per change,
+in group-major order, from an adaptive 16-leaf tree per group, with an escape for large values.
+The receiver knows every old word, so the old exponent is free context on both streams: this is
+what lets the payload approach the context entropy bound (bench/bounds.py) where byte varints
+and zstd's order-0 Huffman cannot.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .kernels import BAD_CODE, POSITION_OUT_OF_RANGE, STREAM_OVERRUN
+from .rangecoder import (
+    INT_TREE,
+    P_TOTAL,
+    RANGE_START,
+    dec_bit,
+    dec_direct,
+    dec_finish,
+    dec_init,
+    dec_int,
+    dec_tree,
+    enc_bit,
+    enc_direct,
+    enc_flush,
+    enc_int,
+    enc_tree,
+)
+
+VALUE_LEAVES = 16  # symbols 0..14 are the value itself; 15 escapes to a coded integer
+UNARY_CONTEXTS = 8  # Golomb quotient bits 0..6 get their own model, the rest share the 8th
+# Int-model slots of the position stream's table, and of the value escapes.
+SLOT_NGROUPS, SLOT_KEY, SLOT_COUNT, SLOT_M, SLOT_ESCAPE = 0, 1, 2, 3, 4
+INT_SLOTS = 5
+
+_U1 = np.uint64(1)
+_ZERO = np.uint64(0)
+
+
+# --- the ctx streams --------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _zigzag_u(o, n, mask, sign_shift):
+    d = (n - o) & mask
+    return ((d << _U1) & mask) ^ (mask if (d >> np.uint64(sign_shift)) & _U1 else _ZERO)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def golomb_parameter(total_gap, count):
+    """A Golomb parameter for gaps of mean total_gap / count (geometric source: the smallest m
+    with (1 − p)^m ≤ ½, p = 1 / (mean + 1)); any m ≥ 1 decodes, this one codes near-optimally."""
+    mean = total_gap / count
+    if mean < 0.5:
+        return 1
+    p = 1.0 / (mean + 1.0)
+    m = int(np.ceil(-np.log(2.0 - p) / np.log(1.0 - p)))
+    return max(m, 1)
+
+
+@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _truncated_binary(m):
+    """(k, u) of a Golomb parameter m: remainders below u take k − 1 bits, the rest k."""
+    k = 0
+    while (1 << k) < m:
+        k += 1
+    return k, (1 << k) - m
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def ctx_encode(keys, ranks, oldv, newv, count, size, xor, mask, sign_shift, pos_out, val_out):
+    """Encode both ctx streams of `count` changes. Returns (pos_len, val_len); a length above
+    its buffer's size means the buffer was too small (grow it and call again).
+
+    keys/ranks: each change's old-exponent group key (< size) and rank in the group, in position
+    order (kernels.group_ranks); oldv/newv their old and new words; xor: values are old ^ new,
+    else the zigzag of the wrap-around difference.
+    """
+    # group-major order: a counting sort by key (stable, so ranks stay increasing in a group)
+    start = np.zeros(size + 1, np.int64)
+    for t in range(count):
+        start[keys[t] + _U1] += 1
+    ngroups = 0
+    for e in range(size):
+        ngroups += start[e + 1] > 0
+    for e in range(size):
+        start[e + 1] += start[e]
+    order = np.empty(count, np.int64)
+    fill = start[:size].copy()
+    for t in range(count):
+        e = keys[t]
+        order[fill[e]] = t
+        fill[e] += 1
+
+    # positions: the table, then per group its Golomb-coded rank gaps
+    low, rng, cache, csize, g = 0, RANGE_START, 0, 1, 0
+    out = pos_out
+    iprob = np.full(INT_SLOTS * INT_TREE, P_TOTAL // 2, np.int16)
+    icnt = np.zeros(INT_SLOTS * INT_TREE, np.uint8)
+    uprob = np.full(ngroups * UNARY_CONTEXTS, P_TOTAL // 2, np.int16)
+    ucnt = np.zeros(ngroups * UNARY_CONTEXTS, np.uint8)
+    gm = np.empty(size, np.int64)
+    low, rng, cache, csize, g = enc_int(low, rng, cache, csize, g, out, iprob, icnt,
+                                         SLOT_NGROUPS, np.uint64(ngroups))
+    prev = -1
+    for e in range(size):
+        a, b = start[e], start[e + 1]
+        if a == b:
+            continue
+        gm[e] = golomb_parameter(ranks[order[b - 1]] + 1 - (b - a), b - a)  # Σ gaps, count
+        low, rng, cache, csize, g = enc_int(low, rng, cache, csize, g, out, iprob, icnt,
+                                             SLOT_KEY, np.uint64(e - prev - 1))
+        low, rng, cache, csize, g = enc_int(low, rng, cache, csize, g, out, iprob, icnt,
+                                             SLOT_COUNT, np.uint64(b - a - 1))
+        low, rng, cache, csize, g = enc_int(low, rng, cache, csize, g, out, iprob, icnt,
+                                             SLOT_M, np.uint64(gm[e] - 1))
+        prev = e
+    grp = 0
+    for e in range(size):
+        a, b = start[e], start[e + 1]
+        if a == b:
+            continue
+        m = gm[e]
+        k, u = _truncated_binary(m)
+        ub = grp * UNARY_CONTEXTS
+        r_prev = -1
+        for t in range(a, b):
+            r = ranks[order[t]]
+            gap = r - r_prev - 1
+            r_prev = r
+            q = gap // m
+            rem = gap - q * m
+            for j in range(q):
+                low, rng, cache, csize, g = enc_bit(low, rng, cache, csize, g, out, uprob, ucnt,
+                                                     ub + min(j, UNARY_CONTEXTS - 1), 1)
+            low, rng, cache, csize, g = enc_bit(low, rng, cache, csize, g, out, uprob, ucnt,
+                                                 ub + min(q, UNARY_CONTEXTS - 1), 0)
+            if rem < u:
+                low, rng, cache, csize, g = enc_direct(low, rng, cache, csize, g, out, np.uint64(rem), k - 1)
+            else:
+                low, rng, cache, csize, g = enc_direct(low, rng, cache, csize, g, out, np.uint64(rem + u),
+                                                     k)
+        grp += 1
+    pos_len = enc_flush(low, cache, csize, g, out)
+
+    # values, group-major: a 16-leaf tree per group, leaf 15 escapes to a coded integer
+    low, rng, cache, csize, g = 0, RANGE_START, 0, 1, 0
+    out = val_out
+    vprob = np.full(ngroups * VALUE_LEAVES, P_TOTAL // 2, np.int16)
+    vcnt = np.zeros(ngroups * VALUE_LEAVES, np.uint8)
+    iprob[:] = P_TOTAL // 2
+    icnt[:] = 0
+    esc = np.uint64(VALUE_LEAVES - 1)
+    grp = 0
+    for e in range(size):
+        a, b = start[e], start[e + 1]
+        if a == b:
+            continue
+        vb = grp * VALUE_LEAVES
+        for t in range(a, b):
+            i = order[t]
+            o = np.uint64(oldv[i])
+            n = np.uint64(newv[i])
+            z = o ^ n if xor else _zigzag_u(o, n, mask, sign_shift)
+            if z < esc:
+                low, rng, cache, csize, g = enc_tree(low, rng, cache, csize, g, out, vprob, vcnt,
+                                                      vb, np.int64(z), 4)
+            else:
+                low, rng, cache, csize, g = enc_tree(low, rng, cache, csize, g, out, vprob, vcnt,
+                                                      vb, VALUE_LEAVES - 1, 4)
+                low, rng, cache, csize, g = enc_int(low, rng, cache, csize, g, out, iprob, icnt,
+                                                     SLOT_ESCAPE, z - esc)
+        grp += 1
+    return pos_len, enc_flush(low, cache, csize, g, out)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def ctx_decode(base, shift, gmask, pos_buf, val_buf, count, out_pos, out_z):
+    """Decode both ctx streams against the old words `base` (read only).
+
+    Writes the changed positions (increasing) to out_pos and their values (XOR or zigzag
+    difference, as coded) to out_z, in position order. Returns count or a negative status; on a
+    status nothing else is meaningful. Every loop is bounded by the stream's length (a truncated
+    stream reads as zeros and stops at the first check) or by the range.
+    """
+    n = base.shape[0]
+    size = int(gmask) + 1
+    plen = pos_buf.shape[0]
+    rng, code, i, status = dec_init(pos_buf)
+    if status < 0:
+        return status
+    iprob = np.full(INT_SLOTS * INT_TREE, P_TOTAL // 2, np.int16)
+    icnt = np.zeros(INT_SLOTS * INT_TREE, np.uint8)
+    ng, ok, rng, code, i = dec_int(rng, code, i, pos_buf, iprob, icnt, SLOT_NGROUPS)
+    if not ok or ng > np.uint64(size) or (ng == _ZERO) != (count == 0):
+        return STREAM_OVERRUN if i > plen else BAD_CODE
+    ngroups = np.int64(ng)
+    gkey = np.empty(ngroups, np.int64)
+    gstart = np.zeros(ngroups + 1, np.int64)
+    gm = np.empty(ngroups, np.int64)
+    prev = np.int64(-1)
+    for grp in range(ngroups):
+        dk, ok1, rng, code, i = dec_int(rng, code, i, pos_buf, iprob, icnt, SLOT_KEY)
+        c, ok2, rng, code, i = dec_int(rng, code, i, pos_buf, iprob, icnt, SLOT_COUNT)
+        m, ok3, rng, code, i = dec_int(rng, code, i, pos_buf, iprob, icnt, SLOT_M)
+        if i > plen:
+            return STREAM_OVERRUN
+        if not (ok1 and ok2 and ok3) or dk >= np.uint64(size) or c >= np.uint64(count) \
+                or m >= np.uint64(n):
+            return BAD_CODE
+        key = prev + 1 + np.int64(dk)
+        if key >= size:
+            return BAD_CODE
+        gkey[grp] = key
+        prev = key
+        gstart[grp + 1] = gstart[grp] + np.int64(c) + 1
+        if gstart[grp + 1] > count:
+            return BAD_CODE
+        gm[grp] = np.int64(m) + 1
+    if gstart[ngroups] != count:
+        return BAD_CODE
+
+    # rank gaps, group-major, into out_pos (scratch here: it has count slots)
+    uprob = np.full(ngroups * UNARY_CONTEXTS, P_TOTAL // 2, np.int16)
+    ucnt = np.zeros(ngroups * UNARY_CONTEXTS, np.uint8)
+    for grp in range(ngroups):
+        m = gm[grp]
+        k, u = _truncated_binary(m)
+        ub = grp * UNARY_CONTEXTS
+        r = -1
+        for t in range(gstart[grp], gstart[grp + 1]):
+            q = 0
+            while True:
+                bit, rng, code, i = dec_bit(rng, code, i, pos_buf, uprob, ucnt,
+                                             ub + min(q, UNARY_CONTEXTS - 1))
+                if bit == 0:
+                    break
+                q += 1
+                if i > plen:
+                    return STREAM_OVERRUN
+                if q * m >= n:  # a gap past any range
+                    return BAD_CODE
+            rem = np.int64(0)
+            if k > 0:
+                head, rng, code, i = dec_direct(rng, code, i, pos_buf, k - 1)
+                rem = np.int64(head)
+                if rem >= u:
+                    low_bit, rng, code, i = dec_direct(rng, code, i, pos_buf, 1)
+                    rem = ((rem << 1) | np.int64(low_bit)) - u
+            if i > plen:
+                return STREAM_OVERRUN
+            r += 1 + q * m + rem
+            if r >= n:
+                return POSITION_OUT_OF_RANGE
+            out_pos[t] = r  # the group rank of change t (group-major)
+    status = dec_finish(code, i, pos_buf)
+    if status < 0:
+        return status
+
+    # values, group-major
+    zs = np.empty(count, np.uint64)
+    vlen = val_buf.shape[0]
+    rng, code, i, status = dec_init(val_buf)
+    if status < 0:
+        return status
+    vprob = np.full(ngroups * VALUE_LEAVES, P_TOTAL // 2, np.int16)
+    vcnt = np.zeros(ngroups * VALUE_LEAVES, np.uint8)
+    iprob[:] = P_TOTAL // 2
+    icnt[:] = 0
+    esc = np.uint64(VALUE_LEAVES - 1)
+    for grp in range(ngroups):
+        vb = grp * VALUE_LEAVES
+        for t in range(gstart[grp], gstart[grp + 1]):
+            sym, rng, code, i = dec_tree(rng, code, i, val_buf, vprob, vcnt, vb, 4)
+            if sym == VALUE_LEAVES - 1:
+                z, ok, rng, code, i = dec_int(rng, code, i, val_buf, iprob, icnt, SLOT_ESCAPE)
+                if not ok or z > ~_ZERO - esc:
+                    return STREAM_OVERRUN if i > vlen else BAD_CODE
+                zs[t] = z + esc
+            else:
+                zs[t] = np.uint64(sym)
+            if i > vlen:
+                return STREAM_OVERRUN
+    status = dec_finish(code, i, val_buf)
+    if status < 0:
+        return status
+
+    # one pass over the old words: an element is the next change of its group when the group
+    # has passed exactly as many elements as that change's rank
+    gi = np.full(size, -1, np.int64)  # group index of a key, or -1
+    for grp in range(ngroups):
+        gi[gkey[grp]] = grp
+    nxt = np.empty(ngroups, np.int64)  # index (group-major) of the group's next change
+    seen = np.zeros(ngroups, np.int64)  # elements of the group passed so far
+    target = np.empty(ngroups, np.int64)  # rank of the group's next change, or n
+    for grp in range(ngroups):
+        nxt[grp] = gstart[grp]
+        target[grp] = out_pos[gstart[grp]]
+    ranks = out_pos.copy()
+    sh = np.uint64(shift)
+    t = 0
+    for p in range(n):
+        grp = gi[(np.uint64(base[p]) >> sh) & gmask]
+        if grp < 0:
+            continue
+        sn = seen[grp]
+        seen[grp] = sn + 1
+        if sn != target[grp]:
+            continue
+        j = nxt[grp]
+        out_pos[t] = p
+        out_z[t] = zs[j]
+        t += 1
+        j += 1
+        nxt[grp] = j
+        target[grp] = ranks[j] if j < gstart[grp + 1] else n
+    if t != count:
+        return POSITION_OUT_OF_RANGE
+    return count

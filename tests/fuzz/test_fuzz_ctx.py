@@ -1,0 +1,75 @@
+"""Fuzz the context-coded segment decoder (codec.ctx.decode_ctx, codec.ctx_kernels.ctx_decode)
+directly: streams a writer emits for xor and add changes of every float dtype, then truncated,
+extended, bit-flipped or byte-edited, with counts and ranges edited. A refusal must be a
+FormatError before anything is written, a success must apply and roll back bit for bit
+(targets.ctx); the segments target fuzzes the same coding inside chunk frames."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from weighthub.codec.coding import Op
+
+from .mutate import INTERESTING_INTS, apply_edits
+from .strategies import ci_settings, edits
+from .targets import CTX_HEADER, FLOAT_DTYPES, base_words, check
+
+
+@st.composite
+def ctx_input(draw: Any) -> bytes:
+    """A ctx segment as the encoder writes it, then maybe edited (see targets.ctx's layout)."""
+    from weighthub.codec.ctx import ctx_streams
+
+    di = draw(st.integers(0, len(FLOAT_DTYPES) - 1))
+    dtype, op = FLOAT_DTYPES[di], draw(st.sampled_from([Op.XOR, Op.ADD]))
+    n = draw(st.one_of(st.integers(1, 64), st.integers(1, 4000)))
+    old = base_words(n, dtype)
+    rng = np.random.default_rng(draw(st.integers(0, (1 << 32) - 1)))
+    pos = np.flatnonzero(rng.random(n) < draw(st.sampled_from([0.003, 0.05, 0.5, 1.0])))
+    if pos.size == 0:
+        pos = np.array([draw(st.integers(0, n - 1))])
+    new = old.copy()
+    new[pos] += rng.integers(1, 4, pos.size).astype(dtype.uint)  # small moves, as training makes
+    pb, vb = ctx_streams(old, pos, old[pos], new[pos], dtype, op)
+    streams = [pb.tobytes(), vb.tobytes()]
+    count, pos_len = int(pos.size), len(streams[0])
+    for _ in range(draw(st.integers(0, 2))):
+        what = draw(st.sampled_from(["stream", "stream", "stream", "count", "n", "cut"]))
+        if what == "stream":
+            i = draw(st.integers(0, 1))
+            streams[i] = apply_edits(streams[i], draw(edits))
+        elif what == "count":
+            count = draw(st.one_of(st.sampled_from([0, 1, count - 1, count + 1, 2 * count]),
+                                   st.sampled_from([v for v in INTERESTING_INTS if 0 <= v < 1 << 32])))
+        elif what == "n":
+            n = draw(st.integers(1, 0xFFFF))
+        else:  # move the boundary between the streams
+            pos_len = draw(st.integers(0, len(streams[0]) + len(streams[1])))
+    head = CTX_HEADER.pack(di, int(op == Op.ADD), max(0, count) & 0xFFFFFFFF, n, min(pos_len, 0xFFFF))
+    return head + streams[0] + streams[1]
+
+
+def test_unedited_inputs_apply() -> None:
+    """The target really decodes and applies: an unedited writer's segment applies."""
+    from weighthub.codec.ctx import ctx_streams
+
+    dtype = FLOAT_DTYPES[0]
+    old = base_words(300, dtype)
+    pos = np.array([3, 50, 299])
+    new = old.copy()
+    new[pos] += 1
+    pb, vb = ctx_streams(old, pos, old[pos], new[pos], dtype, Op.ADD)
+    data = CTX_HEADER.pack(0, 1, 3, 300, pb.size) + pb.tobytes() + vb.tobytes()
+    assert check("ctx", data) == 3
+
+
+@pytest.mark.slow
+@ci_settings(1500)
+@given(ctx_input())
+def test_ctx_decode_refuses_or_applies_and_rolls_back_exactly(data: bytes) -> None:
+    check("ctx", data)
