@@ -116,36 +116,66 @@ def group_ranks(old: np.ndarray, pos: np.ndarray, dtype: DType) -> dict[int, lis
 def ref_ctx(old: np.ndarray, pos: np.ndarray, z: dict[int, int], dtype: DType) -> tuple[bytes, bytes]:
     """(positions, values) streams of the changes at `pos` with entries z[position]."""
     groups = group_ranks(old, pos, dtype)
-    enc, ints = Encoder(), [Contexts() for _ in range(4)]
-    enc.integer(ints[0], len(groups))
-    prev, ms = -1, {}
+    table, gaps = [], []
     for key in sorted(groups):
         ranks = [r for r, _ in groups[key]]
-        ms[key] = golomb_m(ranks[-1] + 1 - len(ranks), len(ranks))
+        table.append((key, len(ranks), golomb_m(ranks[-1] + 1 - len(ranks), len(ranks))))
+        gaps.append(list(np.diff(ranks, prepend=-1) - 1))
+    values = [[z[p] for _, p in groups[key]] for key in sorted(groups)]
+    return code_positions(table, gaps), code_values(values, 8 * dtype.width)
+
+
+def code_positions(table: list[tuple[int, int, int]], gaps: list[list[int]], *,
+                   ngroups: int | None = None) -> bytes:
+    """The positions stream of a group table [(key, count, m)] and each group's rank gaps,
+    coded as the spec says whatever they are (`ngroups` overrides the table's length)."""
+    enc, ints = Encoder(), [Contexts() for _ in range(4)]
+    enc.integer(ints[0], len(table) if ngroups is None else ngroups)
+    prev = -1
+    for key, count, m in table:
         enc.integer(ints[1], key - prev - 1)
-        enc.integer(ints[2], len(ranks) - 1)
-        enc.integer(ints[3], ms[key] - 1)
+        enc.integer(ints[2], count - 1)
+        enc.integer(ints[3], m - 1)
         prev = key
     unary = Contexts()
-    for j, key in enumerate(sorted(groups)):
-        m, r_prev = ms[key], -1
+    for j, ((_, _, m), group) in enumerate(zip(table, gaps, strict=True)):
+        carry(unary, j, 8)
         k = (m - 1).bit_length()  # the smallest k with 2^k >= m
         u = (1 << k) - m
-        for r, _ in groups[key]:
-            gap, r_prev = r - r_prev - 1, r
-            q, rem = divmod(gap, m)
+        for gap in group:
+            q, rem = divmod(int(gap), m)
             for i in range(q):
                 enc.bit(unary[8 * j + min(i, 7)], 1)
             enc.bit(unary[8 * j + min(q, 7)], 0)
             if m > 1:
                 enc.direct(rem, k - 1) if rem < u else enc.direct(rem + u, k)
-    positions = enc.finish()
-    enc, tree, escape = Encoder(), Contexts(), Contexts()
-    for j, key in enumerate(sorted(groups)):
-        for _, p in groups[key]:
-            if z[p] < 15:
-                enc.tree(tree, 16 * j, z[p], 4)
-            else:
-                enc.tree(tree, 16 * j, 15, 4)
-                enc.integer(escape, z[p] - 15)
-    return positions, enc.finish()
+    return enc.finish()
+
+
+def code_values(groups: list[list[int]], bits: int) -> bytes:
+    """The values stream of each group's entries (group-major) for words of `bits` bits."""
+    levels = bits.bit_length()
+    block = (1 << levels) + 4 * (bits + 1)  # length tree, then a 2-level tree per length
+    enc, models = Encoder(), Contexts()
+    for j, zs in enumerate(groups):
+        carry(models, j, block)
+        for z in zs:
+            n = z.bit_length()
+            enc.tree(models, block * j, n, levels)
+            if n >= 2:
+                nm = min(n - 1, 2)
+                rest = n - 1 - nm
+                enc.tree(models, block * j + (1 << levels) + 4 * n, (z >> rest) & ((1 << nm) - 1), nm)
+                enc.direct(z, rest)
+    return enc.finish()
+
+
+def carry(models: Contexts, j: int, width: int) -> None:
+    """Group j's contexts start as group j − 1's ended, counts capped at 4 (spec)."""
+    if j == 0:
+        return
+    for k in range(width):
+        prev = models.get(width * (j - 1) + k)
+        if prev is not None:
+            ctx = models[width * j + k]
+            ctx.p, ctx.c = prev.p, min(prev.c, 4)

@@ -9,7 +9,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from reference_ctx import Contexts, Encoder, ref_ctx
+from reference_ctx import code_positions, code_values, ref_ctx
 from weighthub.codec import Op, Positions, Segment, UndoLog, Values, apply_segment, encode_segment
 from weighthub.codec.coding import EncodePolicy, check_coding
 from weighthub.codec.ctx import MAX_CHANGES_PER_VALUE_BYTE, ctx_streams, decode_ctx
@@ -102,8 +102,8 @@ def test_golden_bytes() -> None:
         (bytes.fromhex(GOLDEN_POS), bytes.fromhex(GOLDEN_VAL))
 
 
-GOLDEN_POS = "000783b8004fe482dff693678034dc800000"
-GOLDEN_VAL = "00e22427144920000000"
+GOLDEN_POS = "000783b8004fe482dff693678034dc8000"
+GOLDEN_VAL = "0026127e844dfe988658"
 
 
 def test_encoder_picks_ctx_for_float_deltas_and_never_for_integers() -> None:
@@ -130,32 +130,11 @@ def test_encoder_picks_ctx_for_float_deltas_and_never_for_integers() -> None:
 
 def _positions(table: list[tuple[int, int, int]], gaps: list[list[int]], ngroups: int | None = None
                ) -> bytes:
-    """A positions stream with this (key, count, m) table and these rank gaps per group, coded
-    by the reference coder as the spec says, whatever the values."""
-    enc, ints = Encoder(), [Contexts() for _ in range(4)]
-    enc.integer(ints[0], len(table) if ngroups is None else ngroups)
-    prev = -1
-    for key, count, m in table:
-        enc.integer(ints[1], key - prev - 1)
-        enc.integer(ints[2], count - 1)
-        enc.integer(ints[3], m - 1)
-        prev = key
-    unary = Contexts()
-    for j, group in enumerate(gaps):
-        for gap in group:  # m = 1 everywhere: unary quotients, no remainder bits
-            for i in range(gap):
-                enc.bit(unary[8 * j + min(i, 7)], 1)
-            enc.bit(unary[8 * j + min(gap, 7)], 0)
-    return enc.finish()
+    return code_positions(table, gaps, ngroups=ngroups)
 
 
 def _values(zs: list[int]) -> bytes:
-    enc, tree, esc = Encoder(), Contexts(), Contexts()
-    for z in zs:  # one group
-        enc.tree(tree, 0, min(z, 15), 4)
-        if z >= 15:
-            enc.integer(esc, z - 15)
-    return enc.finish()
+    return code_values([zs], 16)  # one group of bf16 entries
 
 
 N = 64
@@ -191,8 +170,8 @@ def test_handmade_streams_decode() -> None:
     (_positions([(0x7F, 2, N + 1)], [[3, 10]]), OK_VAL, 2, "context-coded stream"),  # m > n
     (_positions([(0x7F, 2, 1)], [[3, 60]]), OK_VAL, 2, "out of range"),  # rank 64 ≥ n
     (_positions([(0x7F, 2, 1)], [[3, 100]]), OK_VAL, 2, "context-coded stream"),  # q·m ≥ n
-    (OK_POS, _values([1, 1 << 16]), 2, "wider than BF16"),
-    (OK_POS, _values([1, 1 << 64]), 2, "context-coded stream"),  # z − 15 overflows 64 bits
+    (OK_POS, _values([1, 1 << 16]), 2, "context-coded stream"),  # 17 bits: wider than bf16
+    (OK_POS, code_values([[1, 2]], 32), 2, "context-coded stream|ends before|bytes left"),
 ])
 def test_hostile_streams_are_refused_and_nothing_changes(pb: bytes, vb: bytes, count: int,
                                                          match: str) -> None:

@@ -84,11 +84,9 @@ def decode_ctx(seg: Segment, base: np.ndarray, dtype: DType, where: str) -> Segm
     out_pos = np.empty(count, np.int64)
     out_z = np.empty(count, np.uint64)
     status = C.ctx_decode(readonly(base), dtype.exponent_shift, np.uint64(dtype.exponent_mask),
-                          readonly(seg.pos_bytes), readonly(seg.val_bytes), count, out_pos, out_z)
+                          8 * dtype.width, readonly(seg.pos_bytes), readonly(seg.val_bytes), count,
+                          out_pos, out_z)
     check_status(int(status), where)
-    mask = np.uint64((1 << (8 * dtype.width)) - 1)
-    if count and int(out_z.max()) > int(mask):
-        raise FormatError(f"{where}: corrupt segment: a ctx value wider than {dtype.name}")
     gaps = np.empty(10 * count + 16, np.uint8)
     glen = K.encode_gaps(readonly(out_pos), count, gaps)
     vals = np.empty(10 * count + 16, np.uint8)

@@ -3,8 +3,10 @@ coding"): the two streams, coded with codec.rangecoder.
 
 Positions: the changed elements' ranks within their old-exponent group (as `groups`), coded per
 group as Golomb gaps whose unary part is modelled adaptively per group; the group table (keys,
-counts, Golomb parameters) is range-coded at the stream's head. Values: one symbol per change,
-in group-major order, from an adaptive 16-leaf tree per group, with an escape for large values.
+counts, Golomb parameters) is range-coded at the stream's head. Values: in group-major order,
+each as its bit length (an adaptive tree per group: the magnitude of a change depends most on
+the old exponent) and the bits below its leading one, the top two modelled per (group, length).
+Each group's models start from the previous group's (neighbouring exponents behave alike).
 The receiver knows every old word, so the old exponent is free context on both streams: this is
 what lets the payload approach the context entropy bound (bench/bounds.py) where byte varints
 and zstd's order-0 Huffman cannot.
@@ -20,6 +22,7 @@ from .rangecoder import (
     INT_TREE,
     P_TOTAL,
     RANGE_START,
+    bit_length_u64,
     dec_bit,
     dec_direct,
     dec_finish,
@@ -33,11 +36,13 @@ from .rangecoder import (
     enc_tree,
 )
 
-VALUE_LEAVES = 16  # symbols 0..14 are the value itself; 15 escapes to a coded integer
+MANTISSA_MODELLED = 2  # bits below a value's leading one coded with a model (the rest direct)
+_MANTISSA_NODES = 4  # a 2-level tree per bit length: nodes 1..3
 UNARY_CONTEXTS = 8  # Golomb quotient bits 0..6 get their own model, the rest share the 8th
-# Int-model slots of the position stream's table, and of the value escapes.
-SLOT_NGROUPS, SLOT_KEY, SLOT_COUNT, SLOT_M, SLOT_ESCAPE = 0, 1, 2, 3, 4
-INT_SLOTS = 5
+# Int-model slots of the position stream's table.
+SLOT_NGROUPS, SLOT_KEY, SLOT_COUNT, SLOT_M = 0, 1, 2, 3
+INT_SLOTS = 4
+CARRY_COUNT = 4  # see _carry
 
 _U1 = np.uint64(1)
 _ZERO = np.uint64(0)
@@ -50,6 +55,60 @@ _ZERO = np.uint64(0)
 def _zigzag_u(o, n, mask, sign_shift):
     d = (n - o) & mask
     return ((d << _U1) & mask) ^ (mask if (d >> np.uint64(sign_shift)) & _U1 else _ZERO)
+
+
+@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _carry(prob, cnt, base, width):
+    """A group's contexts start as the previous group's ended (neighbouring exponents code
+    alike), with their counts capped so that they still adapt fast to this group."""
+    if base > 0:
+        for j in range(width):
+            prob[base + j] = prob[base - width + j]
+            cnt[base + j] = min(cnt[base - width + j], CARRY_COUNT)
+
+
+@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _value_layout(vbits):
+    """(levels of the bit-length tree, contexts per group) for values of vbits bits: a tree of
+    bit lengths 0..vbits, then a MANTISSA_MODELLED-level tree per bit length."""
+    levels = bit_length_u64(np.uint64(vbits))
+    return levels, (1 << levels) + (vbits + 1) * _MANTISSA_NODES
+
+
+@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _enc_value(low, rng, cache, csize, g, out, prob, cnt, vb, levels, z):
+    """z (uint64): its bit length L through the group's length tree, then the (up to)
+    MANTISSA_MODELLED bits below its leading one through L's tree, then the rest direct."""
+    n = bit_length_u64(z)
+    low, rng, cache, csize, g = enc_tree(low, rng, cache, csize, g, out, prob, cnt, vb, n, levels)
+    if n >= 2:
+        nm = min(n - 1, MANTISSA_MODELLED)
+        rest = n - 1 - nm
+        top = np.int64((z >> np.uint64(rest)) & np.uint64((1 << nm) - 1))
+        low, rng, cache, csize, g = enc_tree(low, rng, cache, csize, g, out, prob, cnt,
+                                             vb + (1 << levels) + n * _MANTISSA_NODES, top, nm)
+        if rest > 0:
+            low, rng, cache, csize, g = enc_direct(low, rng, cache, csize, g, out, z, rest)
+    return low, rng, cache, csize, g
+
+
+@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _dec_value(rng, code, i, buf, prob, cnt, vb, levels, vbits):
+    """A value coded by _enc_value, and ok: False for a bit length above vbits."""
+    n, rng, code, i = dec_tree(rng, code, i, buf, prob, cnt, vb, levels)
+    if n > vbits:
+        return _ZERO, False, rng, code, i
+    if n <= 1:
+        return np.uint64(n), True, rng, code, i
+    nm = min(n - 1, MANTISSA_MODELLED)
+    rest = n - 1 - nm
+    top, rng, code, i = dec_tree(rng, code, i, buf, prob, cnt,
+                                 vb + (1 << levels) + n * _MANTISSA_NODES, nm)
+    z = (_U1 << np.uint64(n - 1)) | (np.uint64(top) << np.uint64(rest))
+    if rest > 0:
+        tail, rng, code, i = dec_direct(rng, code, i, buf, rest)
+        z |= tail
+    return z, True, rng, code, i
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -129,6 +188,7 @@ def ctx_encode(keys, ranks, oldv, newv, count, size, xor, mask, sign_shift, pos_
         m = gm[e]
         k, u = _truncated_binary(m)
         ub = grp * UNARY_CONTEXTS
+        _carry(uprob, ucnt, ub, UNARY_CONTEXTS)
         r_prev = -1
         for t in range(a, b):
             r = ranks[order[t]]
@@ -149,40 +209,34 @@ def ctx_encode(keys, ranks, oldv, newv, count, size, xor, mask, sign_shift, pos_
         grp += 1
     pos_len = enc_flush(low, cache, csize, g, out)
 
-    # values, group-major: a 16-leaf tree per group, leaf 15 escapes to a coded integer
+    # values, group-major: per group a bit-length model and mantissa models (_enc_value)
     low, rng, cache, csize, g = 0, RANGE_START, 0, 1, 0
     out = val_out
-    vprob = np.full(ngroups * VALUE_LEAVES, P_TOTAL // 2, np.int16)
-    vcnt = np.zeros(ngroups * VALUE_LEAVES, np.uint8)
-    iprob[:] = P_TOTAL // 2
-    icnt[:] = 0
-    esc = np.uint64(VALUE_LEAVES - 1)
+    levels, block = _value_layout(sign_shift + 1)
+    vprob = np.full(ngroups * block, P_TOTAL // 2, np.int16)
+    vcnt = np.zeros(ngroups * block, np.uint8)
     grp = 0
     for e in range(size):
         a, b = start[e], start[e + 1]
         if a == b:
             continue
-        vb = grp * VALUE_LEAVES
+        vb = grp * block
+        _carry(vprob, vcnt, vb, block)
         for t in range(a, b):
             i = order[t]
             o = np.uint64(oldv[i])
             n = np.uint64(newv[i])
             z = o ^ n if xor else _zigzag_u(o, n, mask, sign_shift)
-            if z < esc:
-                low, rng, cache, csize, g = enc_tree(low, rng, cache, csize, g, out, vprob, vcnt,
-                                                      vb, np.int64(z), 4)
-            else:
-                low, rng, cache, csize, g = enc_tree(low, rng, cache, csize, g, out, vprob, vcnt,
-                                                      vb, VALUE_LEAVES - 1, 4)
-                low, rng, cache, csize, g = enc_int(low, rng, cache, csize, g, out, iprob, icnt,
-                                                     SLOT_ESCAPE, z - esc)
+            low, rng, cache, csize, g = _enc_value(low, rng, cache, csize, g, out, vprob, vcnt, vb,
+                                                   levels, z)
         grp += 1
     return pos_len, enc_flush(low, cache, csize, g, out)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def ctx_decode(base, shift, gmask, pos_buf, val_buf, count, out_pos, out_z):
-    """Decode both ctx streams against the old words `base` (read only).
+def ctx_decode(base, shift, gmask, vbits, pos_buf, val_buf, count, out_pos, out_z):
+    """Decode both ctx streams against the old words `base` (read only) of a dtype with vbits
+    bits per word.
 
     Writes the changed positions (increasing) to out_pos and their values (XOR or zigzag
     difference, as coded) to out_z, in position order. Returns count or a negative status; on a
@@ -233,6 +287,7 @@ def ctx_decode(base, shift, gmask, pos_buf, val_buf, count, out_pos, out_z):
         m = gm[grp]
         k, u = _truncated_binary(m)
         ub = grp * UNARY_CONTEXTS
+        _carry(uprob, ucnt, ub, UNARY_CONTEXTS)
         r = -1
         for t in range(gstart[grp], gstart[grp + 1]):
             q = 0
@@ -269,24 +324,19 @@ def ctx_decode(base, shift, gmask, pos_buf, val_buf, count, out_pos, out_z):
     rng, code, i, status = dec_init(val_buf)
     if status < 0:
         return status
-    vprob = np.full(ngroups * VALUE_LEAVES, P_TOTAL // 2, np.int16)
-    vcnt = np.zeros(ngroups * VALUE_LEAVES, np.uint8)
-    iprob[:] = P_TOTAL // 2
-    icnt[:] = 0
-    esc = np.uint64(VALUE_LEAVES - 1)
+    levels, block = _value_layout(vbits)
+    vprob = np.full(ngroups * block, P_TOTAL // 2, np.int16)
+    vcnt = np.zeros(ngroups * block, np.uint8)
     for grp in range(ngroups):
-        vb = grp * VALUE_LEAVES
+        vb = grp * block
+        _carry(vprob, vcnt, vb, block)
         for t in range(gstart[grp], gstart[grp + 1]):
-            sym, rng, code, i = dec_tree(rng, code, i, val_buf, vprob, vcnt, vb, 4)
-            if sym == VALUE_LEAVES - 1:
-                z, ok, rng, code, i = dec_int(rng, code, i, val_buf, iprob, icnt, SLOT_ESCAPE)
-                if not ok or z > ~_ZERO - esc:
-                    return STREAM_OVERRUN if i > vlen else BAD_CODE
-                zs[t] = z + esc
-            else:
-                zs[t] = np.uint64(sym)
+            z, ok, rng, code, i = _dec_value(rng, code, i, val_buf, vprob, vcnt, vb, levels, vbits)
             if i > vlen:
                 return STREAM_OVERRUN
+            if not ok:
+                return BAD_CODE
+            zs[t] = z
     status = dec_finish(code, i, val_buf)
     if status < 0:
         return status

@@ -120,7 +120,7 @@ def enc_tree(low, rng, cache, csize, g, out, prob, cnt, base, sym, levels):
 
 
 @njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def _bit_length_u64(v):
+def bit_length_u64(v):
     n = 0
     while v:
         v >>= _U1
@@ -132,7 +132,7 @@ def _bit_length_u64(v):
 def enc_int(low, rng, cache, csize, g, out, iprob, icnt, slot, v):
     """An unsigned integer (uint64): its bit length through the slot's tree, then the bits
     below the leading one at probability ½. (Not inlined: table entries and escapes are rare.)"""
-    n = _bit_length_u64(v)
+    n = bit_length_u64(v)
     low, rng, cache, csize, g = enc_tree(low, rng, cache, csize, g, out, iprob, icnt,
                                           slot * INT_TREE, n, 7)
     if n > 1:
