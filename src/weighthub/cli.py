@@ -238,8 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--retain", type=int, default=0, metavar="N",
                    help="keep only the N newest versions (0: keep all)")
     s.add_argument("--encode", choices=sorted(ENCODE_PROFILES), default="compact",
-                   help="'fast': plain-gap positions, ~1.5x faster encode and receiver staging for "
-                        "~18%% more bytes (fast links); 'compact' (default): exponent-grouped positions")
+                   help="'compact' (default): positions and values range-coded in context of the "
+                        "old exponents, the fewest bytes; 'grouped': exponent-grouped varints under "
+                        "zstd, faster encode; 'fast': plain gaps, fastest encode and staging, most "
+                        "bytes (fast links)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--hub", default=None, metavar="HOST:PORT",
                    help="after the commit, announce the version to this hub (`weighthub serve hub`) "

@@ -67,8 +67,18 @@ def published(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for v in (0, 1):
         ckpt = root / f"ckpt{v}.safetensors"
         save_file(_grouped_state(v), ckpt)
-        assert main(["publish", str(root / "store"), str(ckpt)]) == 0
+        assert main(["publish", "--encode", "grouped", str(root / "store"), str(ckpt)]) == 0
     return root / "store"
+
+
+@pytest.fixture
+def ctx_store(tmp_path: Path) -> Path:
+    """v0 and v1 published with the default encoding: a context-coded delta."""
+    for v in (0, 1):
+        ckpt = tmp_path / f"ckpt{v}.safetensors"
+        save_file(_grouped_state(v), ckpt)
+        assert main(["publish", str(tmp_path / "store"), str(ckpt)]) == 0
+    return tmp_path / "store"
 
 
 @pytest.fixture
@@ -116,6 +126,28 @@ def test_a_chunk_whose_group_table_overflows_int64(store: Path, tmp_path: Path) 
     manifest.write_bytes(msgspec.json.encode(doc))
     out = tmp_path / "out.safetensors"
     _refused(_cli("pull", store, out), 3, "FormatError", "group keys out of range", ref["key"])
+    assert not out.exists()
+
+
+def test_a_ctx_chunk_whose_group_key_is_past_int64(ctx_store: Path, tmp_path: Path) -> None:
+    """The same through the range coder: a group table whose key is 2^63, coded as the spec
+    says (tests/reference_ctx.py), in a frame and manifest that are valid otherwise."""
+    from reference_ctx import code_positions
+
+    manifest = _primary(ctx_store, 1)
+    doc = msgspec.json.decode(manifest.read_bytes())
+    ref = doc["chunks"][0]
+    path = ctx_store / ref["key"]
+    frame = decode_chunk(path.read_bytes(), where=ref["key"])
+    (seg,) = frame.segments
+    assert seg.positions == Positions.CTX
+    table = code_positions([(1 << 63, seg.count, 1)], [[0] * seg.count])
+    hostile = encode_chunk([replace(seg, pos_bytes=np.frombuffer(table, np.uint8))])
+    path.write_bytes(hostile)
+    ref.update(size=len(hostile), checksum=chunk_checksum(hostile))
+    manifest.write_bytes(msgspec.json.encode(doc))
+    out = tmp_path / "out.safetensors"
+    _refused(_cli("pull", ctx_store, out), 3, "FormatError", "group table out of range", ref["key"])
     assert not out.exists()
 
 

@@ -27,7 +27,6 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from ..codec import EncodePolicy
 from ..codec.coding import ENCODE_PROFILES
 from ..publish import Publisher
 from ..receive import Receiver
@@ -40,7 +39,7 @@ Progress = Callable[[str], None]
 
 # weighthub_v1: the `compact` profile as it was before the context coding (issue #16), kept to
 # show what ctx gains on the same deltas
-POLICIES = {"weighthub": ENCODE_PROFILES["compact"], "weighthub_v1": EncodePolicy(ctx=False),
+POLICIES = {"weighthub": ENCODE_PROFILES["compact"], "weighthub_v1": ENCODE_PROFILES["grouped"],
             "weighthub_fast": ENCODE_PROFILES["fast"]}
 THROUGHPUT_POLICIES = ("weighthub", "weighthub_fast")  # timed in bench.throughput (1 and 2 threads)
 CODECS = (*POLICIES, *baselines.BASELINES, "bound_order0", "bound_ctx")

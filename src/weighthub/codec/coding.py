@@ -156,7 +156,10 @@ class EncodePolicy:
 # stages with no pass over the held bits: the better choice on fast links. Neither profile's
 # deltas invert where ctx or groups were used (they rank by the old exponents): rollback then
 # takes an anchor.
+# "grouped" is `compact` as it was before the context coder: exponent-grouped positions and
+# order-0 varints under zstd, between the two in bytes and encoder time.
 ENCODE_PROFILES: dict[str, EncodePolicy] = {
     "compact": EncodePolicy(),
+    "grouped": EncodePolicy(ctx=False),
     "fast": EncodePolicy(groups=False, ctx=False),
 }
