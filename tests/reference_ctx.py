@@ -113,6 +113,15 @@ def group_ranks(old: np.ndarray, pos: np.ndarray, dtype: DType) -> dict[int, lis
     return groups
 
 
+def ctx_fits(old: np.ndarray, pos: np.ndarray, dtype: DType) -> bool:
+    """Whether a ctx segment over these changes stays within the value contexts a reader
+    models (spec: at most 2^22 per segment; only 64-bit floats can exceed it)."""
+    bits = 8 * dtype.width
+    per_group = (1 << bits.bit_length()) + sum(1 << min(n - 1, 8) for n in range(2, bits + 1))
+    keys = (old[pos].astype(np.uint64) >> np.uint64(dtype.exponent_shift)) & np.uint64(dtype.exponent_mask)
+    return len(set(keys.tolist())) * per_group <= 1 << 22
+
+
 def ref_ctx(old: np.ndarray, pos: np.ndarray, z: dict[int, int], dtype: DType) -> tuple[bytes, bytes]:
     """(positions, values) streams of the changes at `pos` with entries z[position]."""
     groups = group_ranks(old, pos, dtype)
@@ -153,9 +162,15 @@ def code_positions(table: list[tuple[int, int, int]], gaps: list[list[int]], *,
 
 
 def code_values(groups: list[list[int]], bits: int) -> bytes:
-    """The values stream of each group's entries (group-major) for words of `bits` bits."""
+    """The values stream of each group's entries (group-major) for words of `bits` bits (an
+    entry wider than that, which hostile tests write, gets some tree: a reader refuses it at its
+    length)."""
     levels = bits.bit_length()
-    block = (1 << levels) + 4 * (bits + 1)  # length tree, then a 2-level tree per length
+    offsets = {}  # length n → its mantissa tree's first context, after the length tree
+    block = 1 << levels
+    for n in range(2, bits + 1):
+        offsets[n] = block
+        block += 1 << min(n - 1, 8)
     enc, models = Encoder(), Contexts()
     for j, zs in enumerate(groups):
         carry(models, j, block)
@@ -163,9 +178,9 @@ def code_values(groups: list[list[int]], bits: int) -> bytes:
             n = z.bit_length()
             enc.tree(models, block * j, n, levels)
             if n >= 2:
-                nm = min(n - 1, 2)
+                nm = min(n - 1, 8)
                 rest = n - 1 - nm
-                enc.tree(models, block * j + (1 << levels) + 4 * n, (z >> rest) & ((1 << nm) - 1), nm)
+                enc.tree(models, block * j + offsets.get(n, 0), (z >> rest) & ((1 << nm) - 1), nm)
                 enc.direct(z, rest)
     return enc.finish()
 

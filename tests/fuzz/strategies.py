@@ -99,18 +99,23 @@ def segment(draw: Any, dtype_index: int) -> Any:
     choices = [Positions.GAPS, Positions.BITMAP] + ([Positions.GROUPS, Positions.CTX, Positions.CTX]
                                                     if dtype.is_float else [])
     positions = draw(st.sampled_from(choices))
+    streams = None
     if positions == Positions.CTX:  # both streams range-coded: xor or add only
         from weighthub.codec.ctx import ctx_streams
 
         op, values = (op, Values.CTX) if op in (Op.XOR, Op.ADD) else (Op.XOR, Values.CTX)
-        pos_bytes, val_bytes = ctx_streams(old, pos, old[pos], new[pos], dtype, op)
-    elif positions == Positions.GAPS:
-        pos_bytes = encode_gaps(pos)
-    elif positions == Positions.BITMAP:
-        pos_bytes = np.packbits(mask, bitorder="little")
+        streams = ctx_streams(old, pos, old[pos], new[pos], dtype, op)
+        if streams is None:  # more exponent groups than ctx models (f64): a writer codes groups
+            positions, values = Positions.GROUPS, dict(_CODINGS)[op]
+    if streams is not None:
+        pos_bytes, val_bytes = streams
     else:
-        pos_bytes = _encode_groups(old, pos, dtype)
-    if positions != Positions.CTX:
+        if positions == Positions.GAPS:
+            pos_bytes = encode_gaps(pos)
+        elif positions == Positions.BITMAP:
+            pos_bytes = np.packbits(mask, bitorder="little")
+        else:
+            pos_bytes = _encode_groups(old, pos, dtype)
         val_bytes = _encode_vals(_Changes(pos, old[pos], new[pos]), values, dtype)
     fields = dict(tensor=0, start=start, stop=start + n, op=op, positions=positions,
                   values=values, count=int(pos.size), pos_bytes=pos_bytes, val_bytes=val_bytes)

@@ -35,8 +35,12 @@ def ctx_input(draw: Any) -> bytes:
         pos = np.array([draw(st.integers(0, n - 1))])
     new = old.copy()
     new[pos] += rng.integers(1, 4, pos.size).astype(dtype.uint)  # small moves, as training makes
-    pb, vb = ctx_streams(old, pos, old[pos], new[pos], dtype, op)
-    streams = [pb.tobytes(), vb.tobytes()]
+    coded = ctx_streams(old, pos, old[pos], new[pos], dtype, op)
+    if coded is None:  # f64 words spread over more exponents than ctx models: fewer changes
+        pos = pos[:64]
+        coded = ctx_streams(old, pos, old[pos], new[pos], dtype, op)
+        assert coded is not None
+    streams = [coded[0].tobytes(), coded[1].tobytes()]
     count, pos_len = int(pos.size), len(streams[0])
     for _ in range(draw(st.integers(0, 2))):
         what = draw(st.sampled_from(["stream", "stream", "stream", "count", "n", "cut"]))
@@ -63,7 +67,9 @@ def test_unedited_inputs_apply() -> None:
     pos = np.array([3, 50, 299])
     new = old.copy()
     new[pos] += 1
-    pb, vb = ctx_streams(old, pos, old[pos], new[pos], dtype, Op.ADD)
+    coded = ctx_streams(old, pos, old[pos], new[pos], dtype, Op.ADD)
+    assert coded is not None
+    pb, vb = coded
     data = CTX_HEADER.pack(0, 1, 3, 300, pb.size) + pb.tobytes() + vb.tobytes()
     assert check("ctx", data) == 3
 

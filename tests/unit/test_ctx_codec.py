@@ -22,10 +22,15 @@ WHERE = "chunk c7 segment 2"
 
 
 def _pair(dtype: DType, n: int, rate: float, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Training-like words: values spread over many exponents, changes of a few ulps (and a
-    few large ones that take the escape)."""
+    """Words spread over many exponents (at most 256: ctx models no more in a segment of f64),
+    changes of a few ulps and a few large ones."""
     rng = np.random.default_rng(seed)
-    old = rng.integers(0, 1 << (8 * dtype.width), n, dtype=np.uint64).astype(dtype.uint)
+    old = rng.integers(0, 1 << (8 * dtype.width), n, dtype=np.uint64)
+    if dtype.exponent_mask > 255:
+        field = np.uint64(dtype.exponent_mask << dtype.exponent_shift)
+        exps = rng.integers(900, 1156, n, dtype=np.uint64) << np.uint64(dtype.exponent_shift)
+        old = (old & ~field) | exps
+    old = old.astype(dtype.uint)
     pos = np.flatnonzero(rng.random(n) < rate)
     step = rng.choice(np.array([1, 2, 3, 40, 1000], np.uint64), pos.size, p=[.5, .25, .15, .07, .03])
     new = old.copy()
@@ -78,7 +83,9 @@ def test_kernel_bytes_match_the_reference_and_round_trip(dtype: DType, op: Op, n
     if pos.size == 0:
         pos = np.array([n - 1])
         new[-1] ^= dtype.uint(1)
-    pb, vb = ctx_streams(old, pos, old[pos], new[pos], dtype, op)
+    coded = ctx_streams(old, pos, old[pos], new[pos], dtype, op)
+    assert coded is not None
+    pb, vb = coded
     rpb, rvb = ref_ctx(old, pos, _entries(old, new, pos, op, dtype), dtype)
     assert pb.tobytes() == rpb and vb.tobytes() == rvb
     seg = _seg(rpb, rvb, int(pos.size), n, op)
@@ -96,7 +103,9 @@ def test_golden_bytes() -> None:
     pos = np.array([1, 2, 5, 17, 40, 41, 63])
     new = old.copy()
     new[pos] += np.array([1, 1, 2, 1, 300, 1, 7], np.uint16)
-    pb, vb = ctx_streams(old, pos, old[pos], new[pos], BF16, Op.ADD)
+    coded = ctx_streams(old, pos, old[pos], new[pos], BF16, Op.ADD)
+    assert coded is not None
+    pb, vb = coded
     assert (pb.tobytes().hex(), vb.tobytes().hex()) == (GOLDEN_POS, GOLDEN_VAL)
     assert ref_ctx(old, pos, _entries(old, new, pos, Op.ADD, BF16), BF16) == \
         (bytes.fromhex(GOLDEN_POS), bytes.fromhex(GOLDEN_VAL))
@@ -230,3 +239,23 @@ def test_a_bad_segment_after_good_ones_rolls_the_whole_range_back() -> None:
         apply_segment(bad, dst[2000:], BF16, undo, WHERE)
     undo.rollback()
     assert np.array_equal(dst, old)
+
+
+F64 = next(d for d in DTYPES if d.name == "F64")
+
+
+def test_f64_over_too_many_exponents_is_coded_otherwise_and_refused_as_ctx() -> None:
+    """ctx models at most 2^22 value contexts per segment: f64 changes over more than 284
+    exponent groups are coded otherwise by the writer, and a ctx table claiming them is
+    refused before the value models are allocated."""
+    rng = np.random.default_rng(3)
+    old = rng.integers(0, 1 << 63, 5000, dtype=np.uint64)  # exponents all over 11 bits
+    new = old ^ np.uint64(1)
+    pos = np.arange(old.size)
+    assert ctx_streams(old, pos, old, new, F64, Op.XOR) is None
+    seg = encode_segment(old, new, F64, tensor=0, start=0)
+    assert seg is not None and seg.positions != Positions.CTX
+    table = code_positions([(k, 1, 1) for k in range(300)], [[0]] * 300)
+    hostile = _seg(table, code_values([[1]] * 300, 64), 300, 5000)
+    with pytest.raises(FormatError, match="context-coded stream"):  # checked as ngroups is read
+        decode_ctx(hostile, np.zeros(5000, np.uint64), F64, WHERE)

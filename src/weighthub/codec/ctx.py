@@ -29,8 +29,9 @@ MAX_CHANGES_PER_POSITION_BYTE = 2048
 
 
 def ctx_streams(old: np.ndarray, pos: np.ndarray, oldv: np.ndarray, newv: np.ndarray,
-                dtype: DType, op: Op) -> tuple[np.ndarray, np.ndarray]:
-    """(positions, values) streams of the ctx coding for these changes of the range `old`.
+                dtype: DType, op: Op) -> tuple[np.ndarray, np.ndarray] | None:
+    """(positions, values) streams of the ctx coding for these changes of the range `old`, or
+    None where they span more exponent groups than a reader models (C.MAX_VALUE_CONTEXTS).
 
     Args:
         old: the range's old words (all of them: ranks count every element of a group).
@@ -47,6 +48,9 @@ def ctx_streams(old: np.ndarray, pos: np.ndarray, oldv: np.ndarray, newv: np.nda
     if done != count:
         raise UsageError("ctx coding: positions not increasing or out of range")
     bits = 8 * dtype.width
+    if np.count_nonzero(np.bincount(keys.astype(np.int64), minlength=1)) * \
+            int(C.value_layout(bits)[2]) > C.MAX_VALUE_CONTEXTS:
+        return None  # more exponent groups than a reader models (64-bit floats only; spec §2)
     mask, sign_shift = np.uint64((1 << bits) - 1), bits - 1
     cap_pos, cap_val = 64 + count * 2 + 64 * (dtype.exponent_mask + 1), 64 + count * 2
     while True:

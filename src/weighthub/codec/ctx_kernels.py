@@ -5,7 +5,7 @@ Positions: the changed elements' ranks within their old-exponent group (as `grou
 group as Golomb gaps whose unary part is modelled adaptively per group; the group table (keys,
 counts, Golomb parameters) is range-coded at the stream's head. Values: in group-major order,
 each as its bit length (an adaptive tree per group: the magnitude of a change depends most on
-the old exponent) and the bits below its leading one, the top two modelled per (group, length).
+the old exponent) and the bits below its leading one, the top eight modelled per (group, length).
 Each group's models start from the previous group's (neighbouring exponents behave alike).
 The receiver knows every old word, so the old exponent is free context on both streams: this is
 what lets the payload approach the context entropy bound (bench/bounds.py) where byte varints
@@ -36,8 +36,11 @@ from .rangecoder import (
     enc_tree,
 )
 
-MANTISSA_MODELLED = 2  # bits below a value's leading one coded with a model (the rest direct)
-_MANTISSA_NODES = 4  # a 2-level tree per bit length: nodes 1..3
+MANTISSA_MODELLED = 8  # bits below a value's leading one coded with a model (the rest direct)
+# Value contexts of one segment (groups × contexts per group) a reader allocates at most: all
+# 256 groups of a 16- or 32-bit float fit; a 64-bit float segment with more than 284 exponent
+# groups does not, and its writer codes it otherwise.
+MAX_VALUE_CONTEXTS = 1 << 22
 UNARY_CONTEXTS = 8  # Golomb quotient bits 0..6 get their own model, the rest share the 8th
 # Int-model slots of the position stream's table.
 SLOT_NGROUPS, SLOT_KEY, SLOT_COUNT, SLOT_M = 0, 1, 2, 3
@@ -67,18 +70,25 @@ def _carry(prob, cnt, base, width):
             cnt[base + j] = min(cnt[base - width + j], CARRY_COUNT)
 
 
-@njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def _value_layout(vbits):
-    """(levels of the bit-length tree, contexts per group) for values of vbits bits: a tree of
-    bit lengths 0..vbits, then a MANTISSA_MODELLED-level tree per bit length."""
+@njit(cache=True, nogil=True, boundscheck=False)
+def value_layout(vbits):
+    """(levels, offsets, contexts per group) of the value models for words of vbits bits: a
+    bit-length tree of 2^levels contexts (lengths 0..vbits), then for each length n in 2..vbits
+    a tree over the min(n − 1, MANTISSA_MODELLED) bits below the leading one, at offsets[n]."""
     levels = bit_length_u64(np.uint64(vbits))
-    return levels, (1 << levels) + (vbits + 1) * _MANTISSA_NODES
+    offsets = np.zeros(vbits + 2, np.int64)
+    o = 1 << levels
+    for n in range(vbits + 2):
+        offsets[n] = o
+        if 2 <= n <= vbits:
+            o += 1 << min(n - 1, MANTISSA_MODELLED)
+    return levels, offsets, o
 
 
 @njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def _enc_value(low, rng, cache, csize, g, out, prob, cnt, vb, levels, z):
-    """z (uint64): its bit length L through the group's length tree, then the (up to)
-    MANTISSA_MODELLED bits below its leading one through L's tree, then the rest direct."""
+def _enc_value(low, rng, cache, csize, g, out, prob, cnt, vb, offsets, levels, z):
+    """z (uint64): its bit length n through the group's length tree, then the (up to)
+    MANTISSA_MODELLED bits below its leading one through n's tree, then the rest direct."""
     n = bit_length_u64(z)
     low, rng, cache, csize, g = enc_tree(low, rng, cache, csize, g, out, prob, cnt, vb, n, levels)
     if n >= 2:
@@ -86,14 +96,14 @@ def _enc_value(low, rng, cache, csize, g, out, prob, cnt, vb, levels, z):
         rest = n - 1 - nm
         top = np.int64((z >> np.uint64(rest)) & np.uint64((1 << nm) - 1))
         low, rng, cache, csize, g = enc_tree(low, rng, cache, csize, g, out, prob, cnt,
-                                             vb + (1 << levels) + n * _MANTISSA_NODES, top, nm)
+                                             vb + offsets[n], top, nm)
         if rest > 0:
             low, rng, cache, csize, g = enc_direct(low, rng, cache, csize, g, out, z, rest)
     return low, rng, cache, csize, g
 
 
 @njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def _dec_value(rng, code, i, buf, prob, cnt, vb, levels, vbits):
+def _dec_value(rng, code, i, buf, prob, cnt, vb, offsets, levels, vbits):
     """A value coded by _enc_value, and ok: False for a bit length above vbits."""
     n, rng, code, i = dec_tree(rng, code, i, buf, prob, cnt, vb, levels)
     if n > vbits:
@@ -102,8 +112,7 @@ def _dec_value(rng, code, i, buf, prob, cnt, vb, levels, vbits):
         return np.uint64(n), True, rng, code, i
     nm = min(n - 1, MANTISSA_MODELLED)
     rest = n - 1 - nm
-    top, rng, code, i = dec_tree(rng, code, i, buf, prob, cnt,
-                                 vb + (1 << levels) + n * _MANTISSA_NODES, nm)
+    top, rng, code, i = dec_tree(rng, code, i, buf, prob, cnt, vb + offsets[n], nm)
     z = (_U1 << np.uint64(n - 1)) | (np.uint64(top) << np.uint64(rest))
     if rest > 0:
         tail, rng, code, i = dec_direct(rng, code, i, buf, rest)
@@ -212,7 +221,7 @@ def ctx_encode(keys, ranks, oldv, newv, count, size, xor, mask, sign_shift, pos_
     # values, group-major: per group a bit-length model and mantissa models (_enc_value)
     low, rng, cache, csize, g = 0, RANGE_START, 0, 1, 0
     out = val_out
-    levels, block = _value_layout(sign_shift + 1)
+    levels, offsets, block = value_layout(sign_shift + 1)
     vprob = np.full(ngroups * block, P_TOTAL // 2, np.int16)
     vcnt = np.zeros(ngroups * block, np.uint8)
     grp = 0
@@ -228,7 +237,7 @@ def ctx_encode(keys, ranks, oldv, newv, count, size, xor, mask, sign_shift, pos_
             n = np.uint64(newv[i])
             z = o ^ n if xor else _zigzag_u(o, n, mask, sign_shift)
             low, rng, cache, csize, g = _enc_value(low, rng, cache, csize, g, out, vprob, vcnt, vb,
-                                                   levels, z)
+                                                   offsets, levels, z)
         grp += 1
     return pos_len, enc_flush(low, cache, csize, g, out)
 
@@ -255,6 +264,8 @@ def ctx_decode(base, shift, gmask, vbits, pos_buf, val_buf, count, out_pos, out_
     if not ok or ng > np.uint64(size) or (ng == _ZERO) != (count == 0):
         return STREAM_OVERRUN if i > plen else BAD_CODE
     ngroups = np.int64(ng)
+    if ngroups * value_layout(vbits)[2] > MAX_VALUE_CONTEXTS:
+        return BAD_CODE
     gkey = np.empty(ngroups, np.int64)
     gstart = np.zeros(ngroups + 1, np.int64)
     gm = np.empty(ngroups, np.int64)
@@ -324,14 +335,15 @@ def ctx_decode(base, shift, gmask, vbits, pos_buf, val_buf, count, out_pos, out_
     rng, code, i, status = dec_init(val_buf)
     if status < 0:
         return status
-    levels, block = _value_layout(vbits)
+    levels, offsets, block = value_layout(vbits)
     vprob = np.full(ngroups * block, P_TOTAL // 2, np.int16)
     vcnt = np.zeros(ngroups * block, np.uint8)
     for grp in range(ngroups):
         vb = grp * block
         _carry(vprob, vcnt, vb, block)
         for t in range(gstart[grp], gstart[grp + 1]):
-            z, ok, rng, code, i = _dec_value(rng, code, i, val_buf, vprob, vcnt, vb, levels, vbits)
+            z, ok, rng, code, i = _dec_value(rng, code, i, val_buf, vprob, vcnt, vb, offsets, levels,
+                                             vbits)
             if i > vlen:
                 return STREAM_OVERRUN
             if not ok:

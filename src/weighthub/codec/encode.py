@@ -287,11 +287,15 @@ _CTX_SURE = 4096
 def _ctx_segment(old: np.ndarray, ch: _Changes, dtype: DType, tensor: int, start: int,
                  policy: EncodePolicy) -> Segment | None:
     """The context-coded segment of these changes, or None where its op would be overwrite
-    (values that xor/add do not code smaller: ctx codes only those two)."""
+    (values that xor/add do not code smaller: ctx codes only those two) or the changes span
+    more exponent groups than the coding models."""
     _est, op, _codec = _pick_values(ch, dtype, policy)
     if op == Op.OVERWRITE:
         return None
-    pos_bytes, val_bytes = ctx_streams(old, ch.pos, ch.old, ch.new, dtype, op)
+    streams = ctx_streams(old, ch.pos, ch.old, ch.new, dtype, op)
+    if streams is None:
+        return None
+    pos_bytes, val_bytes = streams
     return Segment(tensor, start, start + old.size, op, Positions.CTX, Values.CTX,
                    int(ch.pos.size), pos_bytes, val_bytes)
 
