@@ -15,6 +15,7 @@ import shutil
 import struct
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -105,50 +106,45 @@ def _varint(v: int) -> bytes:
     return bytes(out + bytes([v]))
 
 
-def test_a_chunk_whose_group_table_overflows_int64(store: Path, tmp_path: Path) -> None:
+def _pull_refuses_an_edited_chunk(store: Path, tmp_path: Path, positions: Positions,
+                                  table: Callable[[int], bytes], *needles: str) -> None:
+    """Replace the position stream of v1's first segment coded `positions` with table(count),
+    re-checksum the chunk in the manifest (so only the parser stands in the way), pull."""
     manifest = _primary(store, 1)
     doc = msgspec.json.decode(manifest.read_bytes())
     for ref in doc["chunks"]:
         path = store / ref["key"]
-        frame = decode_chunk(path.read_bytes(), where=ref["key"])
-        grouped = [i for i, s in enumerate(frame.segments) if s.positions == Positions.GROUPS]
-        if grouped:
+        segments = list(decode_chunk(path.read_bytes(), where=ref["key"]).segments)
+        hits = [i for i, s in enumerate(segments) if s.positions == positions]
+        if hits:
             break
-    assert grouped, "the fixture's delta must use exponent-grouped positions"
-    segments = list(frame.segments)
-    seg = segments[grouped[0]]
-    # one group whose key is 2^63 (past int64 and the exponent field): a valid frame otherwise
-    table = b"\x01" + b"\x80" * 9 + b"\x01" + _varint(seg.count)
-    segments[grouped[0]] = replace(seg, pos_bytes=np.frombuffer(table, np.uint8))
+    assert hits, f"the fixture's delta must use {positions.name.lower()} positions"
+    seg = segments[hits[0]]
+    segments[hits[0]] = replace(seg, pos_bytes=np.frombuffer(table(seg.count), np.uint8))
     hostile = encode_chunk(segments)
     path.write_bytes(hostile)
     ref.update(size=len(hostile), checksum=chunk_checksum(hostile))
     manifest.write_bytes(msgspec.json.encode(doc))
     out = tmp_path / "out.safetensors"
-    _refused(_cli("pull", store, out), 3, "FormatError", "group keys out of range", ref["key"])
+    _refused(_cli("pull", store, out), 3, "FormatError", *needles, ref["key"])
     assert not out.exists()
+
+
+def test_a_chunk_whose_group_table_overflows_int64(store: Path, tmp_path: Path) -> None:
+    # one group whose key is 2^63 (past int64 and the exponent field): a valid frame otherwise
+    _pull_refuses_an_edited_chunk(store, tmp_path, Positions.GROUPS,
+                                  lambda count: b"\x01" + b"\x80" * 9 + b"\x01" + _varint(count),
+                                  "group keys out of range")
 
 
 def test_a_ctx_chunk_whose_group_key_is_past_int64(ctx_store: Path, tmp_path: Path) -> None:
     """The same through the range coder: a group table whose key is 2^63, coded as the spec
-    says (tests/reference_ctx.py), in a frame and manifest that are valid otherwise."""
+    says (tests/reference_ctx.py)."""
     from reference_ctx import code_positions
 
-    manifest = _primary(ctx_store, 1)
-    doc = msgspec.json.decode(manifest.read_bytes())
-    ref = doc["chunks"][0]
-    path = ctx_store / ref["key"]
-    frame = decode_chunk(path.read_bytes(), where=ref["key"])
-    (seg,) = frame.segments
-    assert seg.positions == Positions.CTX
-    table = code_positions([(1 << 63, seg.count, 1)], [[0] * seg.count])
-    hostile = encode_chunk([replace(seg, pos_bytes=np.frombuffer(table, np.uint8))])
-    path.write_bytes(hostile)
-    ref.update(size=len(hostile), checksum=chunk_checksum(hostile))
-    manifest.write_bytes(msgspec.json.encode(doc))
-    out = tmp_path / "out.safetensors"
-    _refused(_cli("pull", ctx_store, out), 3, "FormatError", "group table out of range", ref["key"])
-    assert not out.exists()
+    _pull_refuses_an_edited_chunk(ctx_store, tmp_path, Positions.CTX,
+                                  lambda count: code_positions([(1 << 63, count, 1)], [[0] * count]),
+                                  "group table out of range")
 
 
 def test_a_checkpoint_whose_header_nests_too_deeply(store: Path, tmp_path: Path) -> None:

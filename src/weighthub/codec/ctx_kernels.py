@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .kernels import BAD_CODE, POSITION_OUT_OF_RANGE, STREAM_OVERRUN
+from .kernels import BAD_CODE, POSITION_OUT_OF_RANGE, STREAM_OVERRUN, group_order
 from .rangecoder import (
     INT_TREE,
     P_TOTAL,
@@ -150,21 +150,7 @@ def ctx_encode(keys, ranks, oldv, newv, count, size, xor, mask, sign_shift, pos_
     order (kernels.group_ranks); oldv/newv their old and new words; xor: values are old ^ new,
     else the zigzag of the wrap-around difference.
     """
-    # group-major order: a counting sort by key (stable, so ranks stay increasing in a group)
-    start = np.zeros(size + 1, np.int64)
-    for t in range(count):
-        start[keys[t] + _U1] += 1
-    ngroups = 0
-    for e in range(size):
-        ngroups += start[e + 1] > 0
-    for e in range(size):
-        start[e + 1] += start[e]
-    order = np.empty(count, np.int64)
-    fill = start[:size].copy()
-    for t in range(count):
-        e = keys[t]
-        order[fill[e]] = t
-        fill[e] += 1
+    start, order, ngroups = group_order(keys, count, size)
 
     # positions: the table, then per group its Golomb-coded rank gaps
     low, rng, cache, csize, g = 0, RANGE_START, 0, 1, 0

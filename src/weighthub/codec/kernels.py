@@ -461,31 +461,38 @@ def group_ranks(old, pos, count, shift, gmask, keys, ranks):
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def encode_group_stream(keys, ranks, count, size, out):
-    """The grouped position stream (layout above) from group_ranks' output. Returns bytes used.
-
-    A counting sort by key (stable, so ranks stay increasing within a group); `out` must hold
-    10 * (count + 2 * size + 1) bytes.
-    """
+def group_order(keys, count, size):
+    """Group-major order of `count` changes by key (< size): a counting sort, stable, so ranks
+    stay increasing within a group. Returns (start, order, ngroups): group e's changes are
+    order[start[e]:start[e + 1]] (indexes into keys), ngroups the non-empty groups."""
     start = np.zeros(size + 1, np.int64)
     for t in range(count):
         start[keys[t] + _U1] += 1
-    ng = 0
+    ngroups = 0
     for e in range(size):
-        ng += start[e + 1] > 0
-    g = _put_varint(out, 0, np.uint64(ng))
-    for e in range(size):
-        if start[e + 1] > 0:
-            g = _put_varint(out, g, np.uint64(e))
-            g = _put_varint(out, g, np.uint64(start[e + 1]))
+        ngroups += start[e + 1] > 0
     for e in range(size):
         start[e + 1] += start[e]
-    sorted_ranks = np.empty(count, np.int64)
+    order = np.empty(count, np.int64)
     fill = start[:size].copy()
     for t in range(count):
         e = keys[t]
-        sorted_ranks[fill[e]] = ranks[t]
+        order[fill[e]] = t
         fill[e] += 1
+    return start, order, ngroups
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def encode_group_stream(keys, ranks, count, size, out):
+    """The grouped position stream (layout above) from group_ranks' output. Returns bytes used;
+    `out` must hold 10 * (count + 2 * size + 1) bytes."""
+    start, order, ngroups = group_order(keys, count, size)
+    g = _put_varint(out, 0, np.uint64(ngroups))
+    for e in range(size):
+        if start[e + 1] > start[e]:
+            g = _put_varint(out, g, np.uint64(e))
+            g = _put_varint(out, g, np.uint64(start[e + 1] - start[e]))
+    sorted_ranks = ranks[order]
     for e in range(size):
         prev = -1
         for t in range(start[e], start[e + 1]):
