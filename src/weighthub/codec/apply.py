@@ -80,10 +80,11 @@ def regap_segment(seg: Segment, base: np.ndarray, dtype: DType, where: str) -> S
     """The same segment with exponent-grouped or context-coded positions re-coded as plain gaps
     (and ctx values as varints or zigzag varints).
 
-    Grouped and ctx positions are smaller on the wire but decode at ~1 GB/s because every
-    element's old exponent must be read; plain gaps apply at several GB/s. A receiver calls this while
-    staging, with `base` = the bits it holds now (read only), so the pause runs the fast kernel.
-    The result applies only to exactly those base bits (a different base fails its digests).
+    Grouped and ctx positions are smaller on the wire but decode slowly (every element's old
+    exponent is read; ctx also runs its range decoder), while plain gaps apply at several GB/s.
+    A receiver calls this while staging, with `base` = the bits it holds now (read only), so
+    the pause runs the fast kernel. The result applies only to exactly those base bits (a
+    different base fails its digests).
 
     Raises:
         UsageError: `base` is not the segment's range in the dtype's words.

@@ -245,9 +245,10 @@ def _encode(old: np.ndarray, new: np.ndarray, dtype: DType, tensor: int, start: 
     if pos.size == 0:
         return None
     dense_est = n * dtype.width * (_DENSE_RATIO if dtype.is_float else 1.0)
+    val_est, op, val_codec = _pick_values(ch, dtype, policy)
     ctx = None
     if policy.ctx and policy.groups and policy.mask_ops and dtype.is_float:
-        ctx = _ctx_segment(old, ch, dtype, tensor, start, policy)
+        ctx = _ctx_segment(old, ch, dtype, tensor, start, op)
         if ctx is not None and pos.size >= _CTX_SURE:
             # on this many changes the context coder's adaptive models have learnt what order-0
             # coders cannot (measured on every real and synthetic trajectory of the bench), so
@@ -265,7 +266,7 @@ def _encode(old: np.ndarray, new: np.ndarray, dtype: DType, tensor: int, start: 
         candidates.insert(1, (_entropy_bytes(grouped), Positions.GROUPS, grouped))
     pos_est, pos_codec, pos_bytes = min(candidates, key=lambda c: c[0])
 
-    val_est, op, val_codec, val_bytes = _choose_values(ch, dtype, policy)
+    val_bytes = _encode_vals(ch, val_codec, dtype)
     if n <= _ALWAYS_SCAN:
         # a small range's streams are too short for zstd to shrink (the estimates' fixed 16-byte
         # table cost would make dense win for a lone changed counter): compare what is written
@@ -285,11 +286,10 @@ _CTX_SURE = 4096
 
 
 def _ctx_segment(old: np.ndarray, ch: _Changes, dtype: DType, tensor: int, start: int,
-                 policy: EncodePolicy) -> Segment | None:
-    """The context-coded segment of these changes, or None where its op would be overwrite
-    (values that xor/add do not code smaller: ctx codes only those two) or the changes span
-    more exponent groups than the coding models."""
-    _est, op, _codec = _pick_values(ch, dtype, policy)
+                 op: Op) -> Segment | None:
+    """The context-coded segment of these changes with the op the value estimate chose, or None
+    where that is overwrite (values that xor/add do not code smaller: ctx codes only those two)
+    or the changes span more exponent groups than the coding models."""
     if op == Op.OVERWRITE:
         return None
     streams = ctx_streams(old, ch.pos, ch.old, ch.new, dtype, op)
