@@ -9,12 +9,15 @@ it outside every test's timeout and makes each test's run time independent of te
 
 The codec and digest wrappers hand every kernel one argument form per word width (issue 12:
 the suite used to compile 87 variants for the codec tests alone, now 60), so exercising each
-kernel once per width (`_warm_codec`) compiles everything any test, CLI run or peer reaches.
+kernel once per width (`_warm_codec`, the context coder's in `_warm_ctx`) compiles everything any
+test, CLI run, peer or fuzz target reaches (a fuzz target compiling inside its measured call
+would breach its memory bound and deadline).
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 
@@ -95,11 +98,35 @@ def _warm_codec() -> float:
                 if seg.invertible:
                     apply_segment(seg, dst, dtype, UndoLog(), "warm-up", inverse=True, **kw)
                 undo.rollback()
+        _warm_ctx(old, ulps, dtype)
         dense, _ = encode_segment_tracked(None, new, dtype, tensor=0, start=0)
         assert dense is not None
         apply_segment(dense, old.copy(), dtype, UndoLog(), "warm-up",
                       dnew=np.zeros(2, np.uint64), dold=np.zeros(2, np.uint64))
     return time.perf_counter() - t0
+
+
+def _warm_ctx(old: Any, new: Any, dtype: Any) -> None:
+    """The context coder's kernels for this word width: encode, decode while staging, apply with
+    and without digest sums, for both ops (on the first 256 elements: few enough exponent
+    groups for any dtype, spec §2)."""
+    import numpy as np
+
+    from weighthub.codec import Op, Positions, Segment, UndoLog, Values, apply_segment, regap_segment
+    from weighthub.codec.ctx import ctx_streams
+    from weighthub.codec.digest import staged_old_digest
+
+    old, new = old[:256], new[:256]
+    pos = np.flatnonzero(old != new)
+    for op in (Op.XOR, Op.ADD):
+        streams = ctx_streams(old, pos, old[pos], new[pos], dtype, op)
+        assert streams is not None
+        seg = Segment(0, 0, old.size, op, Positions.CTX, Values.CTX, int(pos.size), *streams)
+        staged_old_digest(seg, old, dtype, "warm-up")
+        regap_segment(seg, old, dtype, "warm-up")
+        for kw in ({}, {"dnew": np.zeros(2, np.uint64), "dold": np.zeros(2, np.uint64)}):
+            undo = UndoLog()
+            apply_segment(seg, old.copy(), dtype, undo, "warm-up", **kw)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
