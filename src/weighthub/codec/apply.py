@@ -42,7 +42,7 @@ def _read_varint(buf: np.ndarray, i: int, where: str) -> tuple[int, int]:
             raise FormatError(f"{where}: corrupt group table: a varint longer than 10 bytes")
 
 
-def _group_table(seg: Segment, dtype: DType, where: str) -> tuple[np.ndarray, np.ndarray, int]:
+def group_table(seg: Segment, dtype: DType, where: str) -> tuple[np.ndarray, np.ndarray, int]:
     """The group table of a GROUPS position stream: (keys, counts, offset of the rank gaps).
 
     Parsed in Python (it is tiny): varint ngroups, then (key, count) pairs, keys strictly
@@ -96,7 +96,7 @@ def regap_segment(seg: Segment, base: np.ndarray, dtype: DType, where: str) -> S
     if seg.positions != Positions.GROUPS:
         return seg
     _check_sparse(seg, dtype, base, where)
-    keys, counts, offset = _group_table(seg, dtype, where)
+    keys, counts, offset = group_table(seg, dtype, where)
     pos = np.empty(seg.count, np.int64)
     status = K.decode_group_positions(readonly(base), dtype.exponent_shift,
                                       np.uint64(dtype.exponent_mask), keys, counts,
@@ -172,7 +172,7 @@ def apply_segment(seg: Segment, dst: np.ndarray, dtype: DType, undo: UndoLog,
                                           vals, seg.count, mask, undo_pos, undo_val, seg.start,
                                           _sum(dnew), _sum(dold))
     elif seg.positions == Positions.GROUPS:
-        keys, counts, offset = _group_table(seg, dtype, where)
+        keys, counts, offset = group_table(seg, dtype, where)
         status, done = K.apply_group_stream(
             dst, dtype.exponent_shift, np.uint64(dtype.exponent_mask), keys, counts,
             readonly(seg.pos_bytes[offset:]), op, int(seg.values), vals, seg.count, mask,

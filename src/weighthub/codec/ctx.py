@@ -40,13 +40,34 @@ def ctx_streams(old: np.ndarray, pos: np.ndarray, oldv: np.ndarray, newv: np.nda
     """
     if op not in (Op.XOR, Op.ADD) or not dtype.is_float:
         raise UsageError(f"ctx coding takes xor/add on a float dtype, not {op.name} on {dtype.name}")
+    keys, ranks = group_ranks(old, pos, dtype)
+    return ctx_streams_ranked(keys, ranks, oldv, newv, dtype, op)
+
+
+def group_ranks(old: np.ndarray, pos: np.ndarray, dtype: DType) -> tuple[np.ndarray, np.ndarray]:
+    """(keys uint64, ranks int64) of changed positions `pos` (strictly increasing) of the range
+    `old`: each one's old exponent and its rank among the range's elements of that exponent
+    (the context both `groups` and `ctx` code positions in; codec/device.py does it on a device).
+
+    Raises UsageError for positions not increasing or out of range.
+    """
     count = int(pos.size)
     keys = np.empty(count, np.uint64)
     ranks = np.empty(count, np.int64)
     done = K.group_ranks(readonly(old), readonly(pos.astype(np.int64, copy=False)), count,
                          dtype.exponent_shift, np.uint64(dtype.exponent_mask), keys, ranks)
     if done != count:
-        raise UsageError("ctx coding: positions not increasing or out of range")
+        raise UsageError("grouped positions: positions not increasing or out of range")
+    return keys, ranks
+
+
+def ctx_streams_ranked(keys: np.ndarray, ranks: np.ndarray, oldv: np.ndarray, newv: np.ndarray,
+                       dtype: DType, op: Op) -> tuple[np.ndarray, np.ndarray] | None:
+    """`ctx_streams` from the changes' group keys and ranks (`group_ranks`, on the host or a
+    device) instead of the range's old words: work ∝ changed elements only."""
+    if op not in (Op.XOR, Op.ADD) or not dtype.is_float:
+        raise UsageError(f"ctx coding takes xor/add on a float dtype, not {op.name} on {dtype.name}")
+    count = int(keys.size)
     bits = 8 * dtype.width
     if np.count_nonzero(np.bincount(keys.astype(np.int64), minlength=1)) * \
             int(C.value_layout(bits)[2]) > C.MAX_VALUE_CONTEXTS:

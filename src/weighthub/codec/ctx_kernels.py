@@ -230,16 +230,32 @@ def ctx_encode(keys, ranks, oldv, newv, count, size, xor, mask, sign_shift, pos_
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def ctx_decode(base, shift, gmask, vbits, pos_buf, val_buf, count, out_pos, out_z):
-    """Decode both ctx streams against the old words `base` (read only) of a dtype with vbits
-    bits per word.
+    """Decode both ctx streams against the old words `base` (read only), vbits bits per word
+    (`ctx_decode_ranks`, then `ctx_place`): positions (increasing) into out_pos, their values
+    (XOR or zigzag difference, as coded) into out_z. Returns count or a negative status."""
+    size = int(gmask) + 1
+    gkey = np.empty(size, np.int64)
+    gstart = np.zeros(size + 1, np.int64)
+    ranks = np.empty(count, np.int64)
+    zs = np.empty(count, np.uint64)
+    ngroups = ctx_decode_ranks(base.shape[0], size, vbits, pos_buf, val_buf, count, gkey, gstart,
+                               ranks, zs)
+    if ngroups < 0:
+        return ngroups
+    return ctx_place(base, shift, gmask, gkey, gstart, ngroups, ranks, zs, out_pos, out_z)
 
-    Writes the changed positions (increasing) to out_pos and their values (XOR or zigzag
-    difference, as coded) to out_z, in position order. Returns count or a negative status; on a
-    status nothing else is meaningful. Every loop is bounded by the stream's length (a truncated
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def ctx_decode_ranks(n, size, vbits, pos_buf, val_buf, count, gkey, gstart, ranks, zs):
+    """Decode both ctx streams of a segment over n elements, without the base words: the group
+    table and, group-major, each change's rank within its group and its value.
+
+    All of it but the placement (`ctx_place`) needs no base, so a receiver whose base words
+    live on a device decodes here and places there. gkey (≥ size slots) gets the groups' keys,
+    gstart (≥ size + 1) their starts in ranks/zs (count slots each). Returns the number of
+    groups or a negative status. Every loop is bounded by the stream's length (a truncated
     stream reads as zeros and stops at the first check) or by the range.
     """
-    n = base.shape[0]
-    size = int(gmask) + 1
     plen = pos_buf.shape[0]
     rng, code, i, status = dec_init(pos_buf)
     if status < 0:
@@ -252,9 +268,8 @@ def ctx_decode(base, shift, gmask, vbits, pos_buf, val_buf, count, out_pos, out_
     ngroups = np.int64(ng)
     if ngroups * value_layout(vbits)[2] > MAX_VALUE_CONTEXTS:
         return BAD_CODE
-    gkey = np.empty(ngroups, np.int64)
-    gstart = np.zeros(ngroups + 1, np.int64)
     gm = np.empty(ngroups, np.int64)
+    gstart[0] = 0
     prev = np.int64(-1)
     for grp in range(ngroups):
         dk, ok1, rng, code, i = dec_int(rng, code, i, pos_buf, iprob, icnt, SLOT_KEY)
@@ -277,7 +292,7 @@ def ctx_decode(base, shift, gmask, vbits, pos_buf, val_buf, count, out_pos, out_
     if gstart[ngroups] != count:
         return BAD_CODE
 
-    # rank gaps, group-major, into out_pos (scratch here: it has count slots)
+    # rank gaps, group-major
     uprob = np.full(ngroups * UNARY_CONTEXTS, P_TOTAL // 2, np.int16)
     ucnt = np.zeros(ngroups * UNARY_CONTEXTS, np.uint8)
     for grp in range(ngroups):
@@ -310,13 +325,12 @@ def ctx_decode(base, shift, gmask, vbits, pos_buf, val_buf, count, out_pos, out_
             r += 1 + q * m + rem
             if r >= n:
                 return POSITION_OUT_OF_RANGE
-            out_pos[t] = r  # the group rank of change t (group-major)
+            ranks[t] = r  # the group rank of change t (group-major)
     status = dec_finish(code, i, pos_buf)
     if status < 0:
         return status
 
     # values, group-major
-    zs = np.empty(count, np.uint64)
     vlen = val_buf.shape[0]
     rng, code, i, status = dec_init(val_buf)
     if status < 0:
@@ -338,9 +352,21 @@ def ctx_decode(base, shift, gmask, vbits, pos_buf, val_buf, count, out_pos, out_
     status = dec_finish(code, i, val_buf)
     if status < 0:
         return status
+    return ngroups
 
-    # one pass over the old words: an element is the next change of its group when the group
-    # has passed exactly as many elements as that change's rank
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def ctx_place(base, shift, gmask, gkey, gstart, ngroups, ranks, zs, out_pos, out_z):
+    """Place group-major (rank, value) entries (`ctx_decode_ranks`) at the positions of the old
+    words `base`: out_pos gets the positions, increasing, out_z the values in that order.
+
+    One pass over the old words: an element is the next change of its group when the group has
+    passed exactly as many elements as that change's rank. Returns the count placed, or
+    POSITION_OUT_OF_RANGE if a rank is past its group's elements.
+    """
+    n = base.shape[0]
+    size = int(gmask) + 1
+    count = gstart[ngroups]
     gi = np.full(size, -1, np.int64)  # group index of a key, or -1
     for grp in range(ngroups):
         gi[gkey[grp]] = grp
@@ -349,8 +375,7 @@ def ctx_decode(base, shift, gmask, vbits, pos_buf, val_buf, count, out_pos, out_
     target = np.empty(ngroups, np.int64)  # rank of the group's next change, or n
     for grp in range(ngroups):
         nxt[grp] = gstart[grp]
-        target[grp] = out_pos[gstart[grp]]
-    ranks = out_pos.copy()
+        target[grp] = ranks[gstart[grp]]
     sh = np.uint64(shift)
     t = 0
     for p in range(n):

@@ -8,6 +8,7 @@ what they only read), so each kernel compiles once per word width.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +19,7 @@ from ..errors import UsageError
 from ..tensors import DType, readonly
 from . import kernels as K
 from .coding import EncodePolicy, Op, Positions, Values
-from .ctx import ctx_streams
+from .ctx import ctx_streams_ranked, group_ranks
 from .segment import Segment
 
 DEFAULT_POLICY = EncodePolicy()
@@ -37,6 +38,33 @@ class _Changes:
     pos: np.ndarray  # int64
     old: np.ndarray  # dtype of the bit arrays
     new: np.ndarray
+
+
+# Group context of changes: (lo, hi, pos) → (keys uint64, ranks int64) of the changed positions
+# `pos` (relative to lo, increasing) within elements [lo, hi) of the range's old words. Where
+# the old words live decides who computes it: the host kernels here, or a device
+# (codec/device.py) that sends only these compact arrays; the coders then see the same input.
+RankFn = Callable[[int, int, np.ndarray], "tuple[np.ndarray, np.ndarray]"]
+
+
+def host_ranks(old: np.ndarray, dtype: DType) -> RankFn:
+    """The RankFn of old words held on the host."""
+    return lambda lo, hi, pos: group_ranks(old[lo:hi], pos, dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class RangeChanges:
+    """What the coders need of one range, from a scan on the host or on a device.
+
+    changes: every changed element (None: nearly all changed, the scan gave up).
+    ranks: the group context of the old words (see RankFn).
+    dense: the range's new words on the host (called only when a dense segment is written).
+    """
+
+    numel: int
+    changes: _Changes | None
+    ranks: RankFn
+    dense: Callable[[], np.ndarray]
 
 
 def _scan(old: np.ndarray, new: np.ndarray, limit: int) -> _Changes | None:
@@ -126,24 +154,22 @@ def encode_gaps(pos: np.ndarray) -> np.ndarray:
 
 
 def _encode_groups(old: np.ndarray, pos: np.ndarray, dtype: DType) -> np.ndarray:
-    keys = np.empty(pos.size, np.uint64)
-    ranks = np.empty(pos.size, np.int64)
-    done = K.group_ranks(readonly(old), readonly(pos.astype(np.int64, copy=False)), pos.size,
-                         dtype.exponent_shift, np.uint64(dtype.exponent_mask), keys, ranks)
-    if done != pos.size:
-        raise UsageError("grouped positions: positions not increasing or out of range")
+    """The `groups` position stream of changed positions `pos` of the range `old`."""
+    return _encode_ranked_groups(*group_ranks(old, pos, dtype), dtype)
+
+
+def _encode_ranked_groups(keys: np.ndarray, ranks: np.ndarray, dtype: DType) -> np.ndarray:
     size = dtype.exponent_mask + 1
-    out = np.empty(_varint_bound(pos.size + 2 * size), np.uint8)
-    return out[: K.encode_group_stream(keys, ranks, pos.size, size, out)]
+    out = np.empty(_varint_bound(keys.size + 2 * size), np.uint8)
+    return out[: K.encode_group_stream(keys, ranks, keys.size, size, out)]
 
 
-def _groups_promising(old: np.ndarray, pos: np.ndarray, dtype: DType) -> bool:
+def _groups_promising(ranks: RankFn, n: int, pos: np.ndarray, dtype: DType) -> bool:
     """Do groups beat gaps on a few evenly spaced windows? (Cheap stand-in for the full pass.)
 
     Each window is coded as a segment of its own; the per-window group tables count against
     groups, so a marginal gain is not worth the full pass anyway.
     """
-    n = old.shape[0]
     est_groups = est_gaps = 0.0
     for w in range(_PROBE_WINDOWS):
         lo = (n - _PROBE_WINDOW) * w // (_PROBE_WINDOWS - 1)
@@ -151,7 +177,7 @@ def _groups_promising(old: np.ndarray, pos: np.ndarray, dtype: DType) -> bool:
         a, b = np.searchsorted(pos, [lo, hi])
         sub = pos[a:b] - lo
         est_gaps += _entropy_bytes(encode_gaps(sub))
-        est_groups += _entropy_bytes(_encode_groups(old[lo:hi], sub, dtype))
+        est_groups += _entropy_bytes(_encode_ranked_groups(*ranks(lo, hi, sub), dtype))
     return est_groups < est_gaps
 
 
@@ -194,7 +220,13 @@ def encode_segment(old: np.ndarray | None, new: np.ndarray, dtype: DType, *, ten
     """
     if old is None:
         return _dense_segment(tensor, start, new)
-    return _encode(old, new, dtype, tensor, start, policy, _scan(old, new, _scan_limit(new.size)))
+    return encode_range(_host_range(old, new, dtype, _scan(old, new, _scan_limit(new.size))),
+                        dtype, tensor=tensor, start=start, policy=policy)
+
+
+def _host_range(old: np.ndarray, new: np.ndarray, dtype: DType, ch: _Changes | None
+                ) -> RangeChanges:
+    return RangeChanges(new.size, ch, host_ranks(old, dtype), lambda: new)
 
 
 def encode_segment_tracked(old: np.ndarray | None, new: np.ndarray, dtype: DType, *, tensor: int,
@@ -215,7 +247,8 @@ def encode_segment_tracked(old: np.ndarray | None, new: np.ndarray, dtype: DType
                             digest_affine(old, start, (1,), threads=1))
     else:
         change = digest_change(ch.pos, ch.old, ch.new, first=start)
-    return _encode(old, new, dtype, tensor, start, policy, ch), change
+    return encode_range(_host_range(old, new, dtype, ch), dtype, tensor=tensor, start=start,
+                        policy=policy), change
 
 
 def _scan_limit(n: int) -> int:
@@ -236,11 +269,16 @@ _ALWAYS_SCAN = 4096  # elements
 _INVERTIBLE_SLACK = 4
 
 
-def _encode(old: np.ndarray, new: np.ndarray, dtype: DType, tensor: int, start: int,
-            policy: EncodePolicy, ch: _Changes | None) -> Segment | None:
-    n = new.size
+def encode_range(rc: RangeChanges, dtype: DType, *, tensor: int, start: int,
+                 policy: EncodePolicy = DEFAULT_POLICY) -> Segment | None:
+    """The smallest coding of one range's changes (see encode_segment), from a scan's result.
+
+    The same function whether the scan ran on the host or on a device: the choice and the bytes
+    depend only on the changes and their group context, so both backends write identical frames.
+    """
+    n, ch = rc.numel, rc.changes
     if ch is None:  # nearly everything changed
-        return _dense_segment(tensor, start, new)
+        return _dense_segment(tensor, start, rc.dense())
     pos = ch.pos
     if pos.size == 0:
         return None
@@ -248,20 +286,21 @@ def _encode(old: np.ndarray, new: np.ndarray, dtype: DType, tensor: int, start: 
     val_est, op, val_codec = _pick_values(ch, dtype, policy)
     ctx = None
     if policy.ctx and policy.groups and policy.mask_ops and dtype.is_float:
-        ctx = _ctx_segment(old, ch, dtype, tensor, start, op)
+        ctx = _ctx_segment(rc, dtype, tensor, start, op)
         if ctx is not None and pos.size >= _CTX_SURE:
             # on this many changes the context coder's adaptive models have learnt what order-0
             # coders cannot (measured on every real and synthetic trajectory of the bench), so
             # the other candidates are not built: only dense could still win
             ctx_bytes = ctx.pos_bytes.size + ctx.val_bytes.size
-            return ctx if ctx_bytes < dense_est + _INVERTIBLE_SLACK else _dense_segment(tensor, start, new)
+            return ctx if ctx_bytes < dense_est + _INVERTIBLE_SLACK \
+                else _dense_segment(tensor, start, rc.dense())
 
     # positions: gaps always; groups for floats with enough changes; bitmap when dense-ish
     candidates = _position_candidates(pos, n)
     if (ctx is None and policy.groups and dtype.is_float and pos.size >= policy.min_group_count
             and (not policy.group_probe or n < 4 * _PROBE_WINDOWS * _PROBE_WINDOW
-                 or _groups_promising(old, pos, dtype))):
-        grouped = _encode_groups(old, pos, dtype)
+                 or _groups_promising(rc.ranks, n, pos, dtype))):
+        grouped = _encode_ranked_groups(*rc.ranks(0, n, pos), dtype)
         # after gaps, before a bitmap: `min` keeps the first of equal estimates, as it always did
         candidates.insert(1, (_entropy_bytes(grouped), Positions.GROUPS, grouped))
     pos_est, pos_codec, pos_bytes = min(candidates, key=lambda c: c[0])
@@ -276,7 +315,7 @@ def _encode(old: np.ndarray, new: np.ndarray, dtype: DType, tensor: int, start: 
     if ctx is not None and ctx.pos_bytes.size + ctx.val_bytes.size < min(sparse_bytes, dense_bytes):
         return ctx
     if sparse_bytes >= dense_bytes + _INVERTIBLE_SLACK:
-        return _dense_segment(tensor, start, new)
+        return _dense_segment(tensor, start, rc.dense())
     return Segment(tensor, start, start + n, op, pos_codec, val_codec, int(pos.size),
                    pos_bytes, val_bytes)
 
@@ -285,18 +324,19 @@ def _encode(old: np.ndarray, new: np.ndarray, dtype: DType, tensor: int, start: 
 _CTX_SURE = 4096
 
 
-def _ctx_segment(old: np.ndarray, ch: _Changes, dtype: DType, tensor: int, start: int,
+def _ctx_segment(rc: RangeChanges, dtype: DType, tensor: int, start: int,
                  op: Op) -> Segment | None:
     """The context-coded segment of these changes with the op the value estimate chose, or None
     where that is overwrite (values that xor/add do not code smaller: ctx codes only those two)
     or the changes span more exponent groups than the coding models."""
-    if op == Op.OVERWRITE:
+    ch = rc.changes
+    if op == Op.OVERWRITE or ch is None:
         return None
-    streams = ctx_streams(old, ch.pos, ch.old, ch.new, dtype, op)
+    streams = ctx_streams_ranked(*rc.ranks(0, rc.numel, ch.pos), ch.old, ch.new, dtype, op)
     if streams is None:
         return None
     pos_bytes, val_bytes = streams
-    return Segment(tensor, start, start + old.size, op, Positions.CTX, Values.CTX,
+    return Segment(tensor, start, start + rc.numel, op, Positions.CTX, Values.CTX,
                    int(ch.pos.size), pos_bytes, val_bytes)
 
 

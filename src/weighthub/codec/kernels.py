@@ -635,6 +635,78 @@ def decode_group_positions(src, shift, gmask, gkeys, gcounts, gaps, count, out):
     return t
 
 
+# --- decoding to arrays (a destination elsewhere: device memory) ------------------------------
+# A receiver whose target lives on a device decodes a segment's streams on the host into
+# compact arrays (positions, values), checked exactly as the fused apply kernels check them;
+# the device then gathers, combines and scatters (codec/device.py). Same refusals, same order.
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def decode_gap_stream(gaps, codec, vals, count, n, width, out_pos, out_z):
+    """Positions and values of a gap-coded segment over n elements of `width` bytes, into
+    out_pos (increasing) and out_z (the values as coded: XOR, zigzag difference or raw word).
+    Returns count or a negative status (as apply_gap_stream)."""
+    gi = 0
+    gend = gaps.shape[0]
+    vi = 0
+    vend = vals.shape[0]
+    p = np.int64(-1)
+    for t in range(count):
+        g, gi = _read_varint(gaps, gi, gend)
+        if gi < 0:
+            return gi
+        if g >= np.uint64(n - 1 - p):  # p + 1 + g must stay below n (p >= -1, so no wrap)
+            return POSITION_OUT_OF_RANGE
+        p = p + 1 + np.int64(g)
+        z, vi = _read_value(vals, vi, vend, codec, width)
+        if vi < 0:
+            return vi
+        out_pos[t] = p
+        out_z[t] = z
+    if gi != gend or vi != vend:
+        return TRAILING_BYTES
+    return count
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def decode_value_stream(codec, vals, count, width, out_z):
+    """The first `count` values of a value stream into out_z; count or a negative status."""
+    vi = 0
+    vend = vals.shape[0]
+    for t in range(count):
+        z, vi = _read_value(vals, vi, vend, codec, width)
+        if vi < 0:
+            return vi
+        out_z[t] = z
+    if vi != vend:
+        return TRAILING_BYTES
+    return count
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def decode_group_ranks(gcounts, gaps, count, n, out):
+    """Group-major ranks of an exponent-grouped segment over n elements (groups in table order,
+    gcounts summing to count: the caller checks): rank = previous + 1 + gap, the first gap the
+    first rank. Returns count or a negative status (a rank ≥ n: POSITION_OUT_OF_RANGE)."""
+    gend = gaps.shape[0]
+    i = 0
+    t = 0
+    for g in range(gcounts.shape[0]):
+        r = np.int64(-1)
+        for _ in range(gcounts[g]):
+            v, i = _read_varint(gaps, i, gend)
+            if i < 0:
+                return i
+            if v >= np.uint64(n - 1 - r):
+                return POSITION_OUT_OF_RANGE
+            r = r + 1 + np.int64(v)
+            out[t] = r
+            t += 1
+    if i != gend:
+        return TRAILING_BYTES
+    return t
+
+
 # --- digests of the words a segment will rewrite ---------------------------------------------
 
 

@@ -11,6 +11,7 @@ place and records an `UndoLog` so a transaction can roll back exactly.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -52,6 +53,25 @@ class UndoEntry:
     old: np.ndarray
     done: int
 
+    def restore(self) -> None:
+        if self.positions is None:
+            np.copyto(self.dst, self.old)
+        else:
+            K.restore(self.dst, self.positions, self.old, int(self.done))
+
+    @property
+    def nbytes(self) -> int:
+        return self.old.nbytes + (0 if self.positions is None else self.positions.nbytes)
+
+
+class Undoable(Protocol):
+    """An undo record: host words (`UndoEntry`) or device words (receive/device.py)."""
+
+    def restore(self) -> None: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
 
 @dataclass(slots=True)
 class UndoLog:
@@ -61,21 +81,17 @@ class UndoLog:
     is discarded on failure), so dense segments skip the copy of the old bits.
     """
 
-    entries: list[UndoEntry] = field(default_factory=list)
+    entries: list[Undoable] = field(default_factory=list)
     fresh: bool = False
 
     def rollback(self) -> None:
         for e in reversed(self.entries):
-            if e.positions is None:
-                np.copyto(e.dst, e.old)
-            else:
-                K.restore(e.dst, e.positions, e.old, int(e.done))
+            e.restore()
         self.entries.clear()
 
     @property
     def nbytes(self) -> int:
-        return sum(e.old.nbytes + (0 if e.positions is None else e.positions.nbytes)
-                   for e in self.entries)
+        return sum(e.nbytes for e in self.entries)
 
 
 _STATUS = {
