@@ -12,7 +12,7 @@ import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 
@@ -22,6 +22,12 @@ if TYPE_CHECKING:
     # torch is imported where a tensor is first handled, not here: manifests (and so `weighthub
     # inspect`, `--help`) use the dtype table, and importing torch costs seconds per process
     import torch
+
+
+# A tensor's bits as the code that reads or writes them sees them: host numpy unsigned words
+# (`bits`, the numba kernels), or a torch signed-integer word view (`word_view`) on the tensor's
+# own device (the device backend: codec/device.py, digest/device.py).
+Words: TypeAlias = "np.ndarray | torch.Tensor"
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +49,13 @@ class DType:
         import torch
 
         return getattr(torch, self.torch_name)
+
+    @property
+    def torch_words(self) -> torch.dtype:
+        """The torch integer type of this dtype's bit views (`word_view`)."""
+        import torch
+
+        return getattr(torch, _TORCH_INT_BY_WIDTH[self.width])
 
     @property
     def uint(self) -> type[np.unsignedinteger]:
@@ -135,10 +148,24 @@ def bits(t: torch.Tensor) -> np.ndarray:
     flat = t.detach().reshape(-1)
     if not flat.is_contiguous():  # reshape of a non-viewable tensor copies; make that explicit
         flat = flat.contiguous()
-    import torch  # loaded already (t is a tensor); imported here only to keep this module light
+    return flat.view(d.torch_words).numpy().view(d.uint)
 
-    as_int = flat.view(getattr(torch, _TORCH_INT_BY_WIDTH[d.width]))
-    return as_int.numpy().view(d.uint)
+
+def word_view(t: torch.Tensor) -> torch.Tensor:
+    """Flat signed-integer torch view of a tensor's bit patterns, on its own device (no copy if
+    contiguous): int16 for 2-byte dtypes, int32, int64, uint8 (torch lacks unsigned 16/32/64
+    views). The device backend's counterpart of `bits`; writes through it change the tensor.
+    """
+    d = dtype_of(t)
+    flat = t.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    return flat.view(d.torch_words)
+
+
+def words_numel(words: Words) -> int:
+    """Elements of host numpy words or of a torch word view."""
+    return words.size if isinstance(words, np.ndarray) else words.numel()
 
 
 def readonly(a: np.ndarray) -> np.ndarray:

@@ -8,10 +8,15 @@ retention deleted old versions. Only the random chunk-directory tokens, the publ
 `created` time are masked (tests/store_golden.py); every other byte must stay as it was.
 Those goldens pin `EncodePolicy(ctx=False)`, the `compact` profile before the context coding
 (issue #16); GOLDEN_CTX pins today's `compact`, context coding on.
+
+Each runs on both scan backends: the host kernels, and the device code (`backend="torch"`: the
+torch ops a CUDA trainer runs, here on CPU tensors), which must store the very same bytes
+(design invariant 8); "torch-host-baseline" keeps that publisher's baseline in host memory.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from store_golden import digest_by_version, masked_objects
@@ -71,11 +76,16 @@ def trajectory(steps: int) -> list[dict[str, torch.Tensor]]:
 V1 = EncodePolicy(ctx=False)  # `compact` as the goldens were recorded
 
 
-def _publish_trajectory(policy: EncodePolicy = V1) -> MemoryStore:
+BACKENDS = {"host": {}, "torch": {"backend": "torch"},
+            "torch-host-baseline": {"backend": "torch", "host_baseline": True}}
+backends = pytest.mark.parametrize("backend", sorted(BACKENDS))
+
+
+def _publish_trajectory(policy: EncodePolicy = V1, backend: str = "host") -> MemoryStore:
     states = trajectory(10)
     store = MemoryStore()
     opts = dict(anchor_every=3, skip_every=2, delta_span_bytes=SPAN, full_span_bytes=SPAN,
-                policy=policy)
+                policy=policy, **BACKENDS[backend])
     pub = Publisher(store, workers=2, **opts)
     for state in states[:8]:
         pub.publish(state)
@@ -106,8 +116,9 @@ GOLDEN_RETAIN = {
 }
 
 
-def test_publisher_output_is_byte_identical_to_the_golden_digests() -> None:
-    objects = masked_objects(_publish_trajectory())
+@backends
+def test_publisher_output_is_byte_identical_to_the_golden_digests(backend: str) -> None:
+    objects = masked_objects(_publish_trajectory(backend=backend))
     got = digest_by_version(objects)
     print("\n".join(f"{k} {v}" for k, v in objects.items()))
     print(got)
@@ -128,8 +139,9 @@ GOLDEN_CTX = {
 }
 
 
-def test_context_coded_output_is_byte_identical_to_its_golden_digests() -> None:
-    store = _publish_trajectory(ENCODE_PROFILES["compact"])
+@backends
+def test_context_coded_output_is_byte_identical_to_its_golden_digests(backend: str) -> None:
+    store = _publish_trajectory(ENCODE_PROFILES["compact"], backend)
     got = digest_by_version(masked_objects(store))
     print(got)
     ops = {o for v in range(1, 10) for t in catalog.primary_manifest(store, v).tensors for o in t.ops}
@@ -137,11 +149,12 @@ def test_context_coded_output_is_byte_identical_to_its_golden_digests() -> None:
     assert got == GOLDEN_CTX
 
 
-def test_retention_leaves_the_golden_objects() -> None:
+@backends
+def test_retention_leaves_the_golden_objects(backend: str) -> None:
     states = trajectory(7)
     store = MemoryStore()
     pub = Publisher(store, anchor_every=2, retain=3, skip_every=3, delta_span_bytes=SPAN,
-                    full_span_bytes=2 * SPAN, workers=1, policy=V1)
+                    full_span_bytes=2 * SPAN, workers=1, policy=V1, **BACKENDS[backend])
     for state in states:
         pub.publish(state)
     objects = masked_objects(store)

@@ -7,11 +7,14 @@ The gloo-process version of this, with DTensors, is tests/integration/test_shard
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
+from store_golden import masked_objects
 from weighthub import catalog
 from weighthub.layout import ShardBox
 from weighthub.publish import Publisher, PublishOptions, PublishResult, ShardedPublisher
@@ -99,9 +102,12 @@ def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(np.array_equal(bits(a[n]), bits(b[n])) for n in a)
 
 
-def test_a_group_publishes_what_one_process_does_with_anchors_and_skip_deltas() -> None:
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_a_group_publishes_what_one_process_does_with_anchors_and_skip_deltas(backend: str) -> None:
+    """backend "torch": every rank scans its shards with the device code (row ranges and
+    column boxes), as CUDA trainer ranks do; the result is the single host process's."""
     opts = PublishOptions(anchor_every=3, skip_every=2, delta_span_bytes=SPAN,
-                          full_span_bytes=SPAN, workers=2)
+                          full_span_bytes=SPAN, workers=2, backend=backend)
     grouped, single = MemoryStore(), MemoryStore()
     results = _group_publish(grouped, opts)
     assert [r.version for r in results[0]] == [r.version for r in results[1]] == list(range(7))
@@ -109,6 +115,10 @@ def test_a_group_publishes_what_one_process_does_with_anchors_and_skip_deltas() 
                      full_span_bytes=SPAN)
     for state in _states():
         solo.publish(state)
+    if backend == "torch":  # byte for byte what the same group stores from host scans
+        on_host = MemoryStore()
+        _group_publish(on_host, replace(opts, backend="host"))
+        assert masked_objects(grouped) == masked_objects(on_host)
     for v in range(7):
         reps = {r.base for r in catalog.representations(grouped, v)}
         assert reps == {r.base for r in catalog.representations(single, v)}, v

@@ -13,10 +13,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from .. import catalog
 from ..store import Store
-from ..tensors import TensorSpec, bits
+from ..tensors import TensorSpec, Words, bits
 
 
 @dataclass(slots=True)
@@ -24,7 +25,7 @@ class Baseline:
     version: int
     root: str
     specs: list[TensorSpec]  # the canonical tensor table of the version
-    bits: dict[str, np.ndarray]  # private copies of this rank's committed primary shards
+    bits: dict[str, Words]  # private copies of this rank's committed primary shards
     digests: dict[str, bytes]  # this rank's digest contributions at `version`
 
     @property
@@ -34,8 +35,15 @@ class Baseline:
 
 
 def advanced(baseline: Baseline | None, version: int, root: str, specs: list[TensorSpec],
-             new_bits: Mapping[str, np.ndarray], digests: Mapping[str, bytes]) -> Baseline:
-    """`baseline` moved to `version` (updated in place), or a fresh copy if there is none."""
+             new_bits: Mapping[str, Words], digests: Mapping[str, bytes], *,
+             on_host: bool = False) -> Baseline:
+    """`baseline` moved to `version` (updated in place), or a fresh copy if there is none.
+
+    A fresh copy lives where the shard does (a device shard's on its device), or on the host
+    with `on_host`. An existing copy is refreshed where it is, except that a host baseline
+    adopted from the store (`adopt`, read as a receiver reads it) moves to the device of a
+    device shard after its first delta (which uploaded its old words chunk by chunk).
+    """
     # One streaming copy of every tensor, on purpose: measured on 2 cores for 520 MiB at
     # 1.3-5% changed, np.copyto takes ~60 ms; scattering only the changed words (from the
     # scan's compacted changes, numpy or a numba kernel) takes 45-105 ms and 2 threads of
@@ -44,13 +52,46 @@ def advanced(baseline: Baseline | None, version: int, root: str, specs: list[Ten
     # the encoded segments 80-400 ms (grouped positions rescan every element). The commit
     # is already visible, so receivers do not wait for this.
     if baseline is None:
-        return Baseline(version, root, specs, {n: b.copy() for n, b in new_bits.items()},
+        return Baseline(version, root, specs, {n: _copy_of(b, on_host) for n, b in new_bits.items()},
                         dict(digests))
     for n, b in new_bits.items():
-        np.copyto(baseline.bits[n], b)
+        have = baseline.bits[n]
+        if isinstance(b, torch.Tensor) and isinstance(have, np.ndarray) and not on_host:
+            baseline.bits[n] = b.clone()  # adopted from the store (a restart): onto the device
+        else:
+            copy_words(have, b)
     baseline.version, baseline.root, baseline.specs = version, root, specs
     baseline.digests = dict(digests)
     return baseline
+
+
+def _copy_of(b: Words, on_host: bool) -> Words:
+    if isinstance(b, np.ndarray):
+        return b.copy()
+    return b.detach().cpu().numpy().copy() if on_host else b.clone()
+
+
+def copy_words(dst: Words, src: Words) -> None:
+    """dst[:] = src, bit for bit, wherever either lives (host numpy or torch words of a width)."""
+    if isinstance(dst, np.ndarray):
+        np.copyto(dst, src if isinstance(src, np.ndarray) else src.detach().cpu().numpy()
+                  .view(dst.dtype))
+    elif isinstance(src, np.ndarray):
+        dst.copy_(torch.from_numpy(src.view(_signed(src.dtype))))
+    else:
+        dst.copy_(src)
+
+
+def as_device_words(words: Words, like: torch.Tensor) -> torch.Tensor:
+    """`words` as torch words on `like`'s device (an upload for host words)."""
+    if isinstance(words, np.ndarray):
+        return torch.from_numpy(words.view(_signed(words.dtype))).to(like.device, non_blocking=True)
+    return words
+
+
+def _signed(dtype: np.dtype) -> np.dtype:
+    """The numpy type of a torch word view of this width (uint8 stays; others are signed)."""
+    return np.dtype(np.uint8) if dtype.itemsize == 1 else np.dtype(f"<i{dtype.itemsize}")
 
 
 def adopt(store: Store) -> Baseline | None:

@@ -18,6 +18,9 @@ DELTA_SPAN_BYTES = 32 << 20  # dense bytes per delta chunk (≈0.1-1 MiB on the 
 FULL_SPAN_BYTES = 16 << 20  # dense bytes per full chunk (≈12 MiB on the wire)
 
 
+BACKENDS = ("auto", "host", "torch")
+
+
 @dataclass(frozen=True, slots=True)
 class PublishOptions:
     """What a publisher writes besides the primary representation, and how it streams it.
@@ -32,6 +35,13 @@ class PublishOptions:
         policy: which ops and codings the encoder may choose.
         workers: encoder threads (per rank); at most `2 × workers` encoded chunks are in memory.
         delta_span_bytes / full_span_bytes: dense bytes a delta / full chunk covers.
+        backend: where the scan runs: "auto" (where each tensor lives: CUDA tensors are scanned
+            on their device and only compact streams reach the host), "host" (copy device
+            tensors to the host first, as before the device backend), or "torch" (the device
+            code on every tensor, CPU ones included: how tests run it without a GPU).
+        host_baseline: keep the baseline of device tensors in host memory instead of a device
+            copy (for memory-tight trainers): each delta then uploads the old words chunk by
+            chunk, and the baseline advances by a device-to-host copy after each commit.
 
     Raises:
         UsageError: a negative interval, no worker, a span below the minimum, or a retention
@@ -45,8 +55,16 @@ class PublishOptions:
     workers: int = 2
     delta_span_bytes: int = DELTA_SPAN_BYTES
     full_span_bytes: int = FULL_SPAN_BYTES
+    backend: str = "auto"
+    host_baseline: bool = False
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise UsageError(f"publisher option backend={self.backend!r}: pass one of "
+                             f"{list(BACKENDS)}")
+        if not isinstance(self.host_baseline, bool):
+            raise UsageError(f"publisher option host_baseline={self.host_baseline!r}: pass True "
+                             "or False")
         for name, meaning in (("anchor_every", "0 writes only the first version full"),
                               ("skip_every", "0 writes no skip deltas"),
                               ("retain", "0 keeps every version")):

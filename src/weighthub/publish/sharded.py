@@ -66,8 +66,8 @@ class ShardedPublisher:
         store: where versions go (every rank must reach the same store).
         group: the torch.distributed process group of the trainer ranks (default: the world).
         committer: the group rank that writes manifests (and applies retention).
-        anchor_every, skip_every, retain, policy, workers, delta_span_bytes, full_span_bytes:
-            see `PublishOptions`.
+        anchor_every, skip_every, retain, policy, workers, delta_span_bytes, full_span_bytes,
+            backend, host_baseline: see `PublishOptions`.
 
     Raises:
         UsageError: torch.distributed is not initialized, a committer outside the group, or an
@@ -78,9 +78,11 @@ class ShardedPublisher:
                  anchor_every: int = 16, skip_every: int = 0, retain: int = 0,
                  policy: EncodePolicy | None = None, workers: int = 2,
                  delta_span_bytes: int = DELTA_SPAN_BYTES,
-                 full_span_bytes: int = FULL_SPAN_BYTES) -> None:
+                 full_span_bytes: int = FULL_SPAN_BYTES, backend: str = "auto",
+                 host_baseline: bool = False) -> None:
         options = PublishOptions(anchor_every, skip_every, retain, policy or EncodePolicy(),
-                                 workers, delta_span_bytes, full_span_bytes)
+                                 workers, delta_span_bytes, full_span_bytes, backend,
+                                 host_baseline)
         self._setup(store, TorchGroup(group), committer, options)
         self.group = group
 
@@ -171,11 +173,12 @@ class ShardedPublisher:
         seconds = time.perf_counter() - t0
         mine = {n: s.new for n, s in shards.items() if s.published}
         self._baseline = advanced(self._baseline, plan.version, manifest.root, plan.specs, mine,
-                                  written[self.rank].digests)
+                                  written[self.rank].digests, on_host=self.options.host_baseline)
         self._write_extras(plan, manifest, shards)
         if self.options.is_skip_point(plan.version):
             self._skip_base = advanced(self._skip_base, plan.version, manifest.root, plan.specs,
-                                       mine, written[self.rank].digests)
+                                       mine, written[self.rank].digests,
+                                       on_host=self.options.host_baseline)
         if self.rank == self.committer:
             commits.collect_garbage(self.store, plan.version, self.options.retain)
         own = written[self.rank]
@@ -203,7 +206,8 @@ class ShardedPublisher:
         latest, token = None, ""
         try:  # a local failure is reported in the first collective, so every rank raises
             self._adopt()
-            shards, table = resolve(state, shard_map, whole=self._solo)
+            shards, table = resolve(state, shard_map, whole=self._solo,
+                                    backend=self.options.backend)
             if self.rank == self.committer:
                 token = uuid.uuid4().hex[:12]
                 if self._baseline is None:  # the first version is numbered after the store's

@@ -2,7 +2,10 @@
 
 A DTensor's box comes from its placements; a plain tensor's from `shard_map`; in a single
 process (`whole=True`) a plain tensor is the whole canonical tensor. Only this rank's own shard
-is ever copied (to the host, when it lives on a device); nothing is gathered.
+is ever read, and nothing is gathered. A shard on a CUDA device stays there (its bits are a
+torch word view, scanned on the device: codec/device_encode.py) unless the publisher was told
+to copy it to the host (`backend="host"`); `backend="torch"` keeps even CPU shards as torch
+views, which is how CPU-only tests run the device code.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch
 
 from ..errors import PlacementError, UsageError
 from ..layout import ShardBox
-from ..tensors import TensorSpec, bits, dtype_of
+from ..tensors import TensorSpec, bits, dtype_of, word_view
 
 Table = list[tuple[str, str, tuple[int, ...]]]  # (name, dtype, global shape), name order
 
@@ -28,7 +31,8 @@ class Shard:
     index: int  # position in the canonical (name-ordered) tensor table
     spec: TensorSpec  # the canonical tensor
     box: ShardBox
-    new: np.ndarray  # flat local bits (a view of the local tensor when it is contiguous)
+    new: np.ndarray | torch.Tensor  # flat local bits (a view of the local tensor when it is
+    # contiguous): numpy words on the host, or a torch integer view where the device path runs
 
     @property
     def published(self) -> bool:
@@ -37,11 +41,13 @@ class Shard:
 
 
 def resolve(state: Mapping[str, torch.Tensor], shard_map: Mapping[str, ShardBox] | None, *,
-            whole: bool) -> tuple[dict[str, Shard], Table]:
+            whole: bool, backend: str = "auto") -> tuple[dict[str, Shard], Table]:
     """This rank's shards of `state` and the tensor table they claim, in name order.
 
     Args:
         whole: a plain tensor without a shard_map entry is the whole tensor (a single process).
+        backend: "auto" (scan where each shard lives: CUDA shards on their device), "host"
+            (copy device shards to the host) or "torch" (torch views everywhere).
 
     Raises:
         UsageError: shard_map names a tensor not in the state, or a dtype weighthub does not carry.
@@ -75,10 +81,15 @@ def resolve(state: Mapping[str, torch.Tensor], shard_map: Mapping[str, ShardBox]
         if tuple(local.shape) != box.shape:
             raise PlacementError(f"tensor {name!r}: local shard has shape {list(local.shape)}, "
                                  f"its box says {list(box.shape)}")
-        if local.device.type != "cpu":
-            local = local.cpu()  # only this rank's own shard is copied
+        if local.device.type not in ("cpu", "cuda"):
+            raise UsageError(f"tensor {name!r} is on {local.device}: weighthub publishes from "
+                             "host or CUDA memory")
+        on_device = local.device.type != "cpu"
+        if on_device and backend == "host":
+            local, on_device = local.cpu(), False  # only this rank's own shard is copied
         dtype = dtype_of(local)
         spec = TensorSpec(name, dtype, box.global_shape)
         table.append((name, dtype.name, box.global_shape))
-        shards[name] = Shard(-1, spec, box, bits(local))
+        words = word_view(local) if on_device or backend == "torch" else bits(local)
+        shards[name] = Shard(-1, spec, box, words)
     return shards, table

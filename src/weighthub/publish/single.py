@@ -25,8 +25,8 @@ class Publisher(ShardedPublisher):
 
     Args:
         store: where versions go.
-        anchor_every, skip_every, retain, policy, workers, delta_span_bytes, full_span_bytes:
-            see `PublishOptions`.
+        anchor_every, skip_every, retain, policy, workers, delta_span_bytes, full_span_bytes,
+            backend, host_baseline: see `PublishOptions`.
 
     Raises:
         UsageError: an option `PublishOptions` refuses.
@@ -35,7 +35,9 @@ class Publisher(ShardedPublisher):
     def __init__(self, store: Store, *, anchor_every: int = 16, skip_every: int = 0,
                  retain: int = 0, policy: EncodePolicy | None = None, workers: int = 2,
                  delta_span_bytes: int = DELTA_SPAN_BYTES,
-                 full_span_bytes: int = FULL_SPAN_BYTES) -> None:
+                 full_span_bytes: int = FULL_SPAN_BYTES, backend: str = "auto",
+                 host_baseline: bool = False) -> None:
         options = PublishOptions(anchor_every, skip_every, retain, policy or EncodePolicy(),
-                                 workers, delta_span_bytes, full_span_bytes)
+                                 workers, delta_span_bytes, full_span_bytes, backend,
+                                 host_baseline)
         self._setup(store, SoloGroup(), 0, options)

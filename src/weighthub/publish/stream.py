@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from typing import TypeVar, cast
 
 import numpy as np
+import torch
 
-from ..codec import EncodePolicy, Segment
+from ..codec import EncodePolicy, Segment, device_encode
 from ..codec.encode import (
     changed_positions,
     encode_changes,
@@ -29,10 +30,12 @@ from ..codec.encode import (
     encode_segment_tracked,
 )
 from ..digest import ZERO_DIGEST, digest_add, digest_affine, digest_change
+from ..errors import UsageError
 from ..format import ChunkRef, chunk_checksum, encode_chunk
-from ..layout import Piece, plan_pieces
+from ..layout import Piece, ShardBox, plan_pieces
 from ..store import Store
-from .baseline import Baseline
+from ..tensors import DType, Words
+from .baseline import Baseline, as_device_words
 from .group import Failure
 from .shards import Shard
 
@@ -157,31 +160,52 @@ def bounded_map(pool: ThreadPoolExecutor, fn: Callable[[int, list[Piece]], _T],
             f.cancel()
 
 
-def encode_piece(piece: Piece, shard: Shard, old: np.ndarray | None, policy: EncodePolicy,
+def encode_piece(piece: Piece, shard: Shard, old: Words | None, policy: EncodePolicy,
                  track: bool) -> tuple[list[Segment], bytes]:
     """Segments of one piece, one per canonical run that changed, and its digest change.
 
     Each run is contiguous in canonical order, so a run's segment (and its digest change) is
     exactly what a single process encodes for that flat range. Without a base, every run is a
-    dense segment and the change is the runs' whole contribution.
+    dense segment and the change is the runs' whole contribution. Torch words (a shard on a
+    device) are scanned where they live (codec/device_encode.py), with the same result.
     """
     segments: list[Segment] = []
     change = ZERO_DIGEST
+    new = shard.new
     for run in piece.runs():
         before = None if old is None else old[run.lo:run.hi]
-        if track:
-            seg, d = encode_segment_tracked(before, shard.new[run.lo:run.hi], shard.spec.dtype,
-                                            tensor=piece.tensor, start=run.start, policy=policy)
-            change = digest_add(change, d)
+        if isinstance(new, torch.Tensor):  # scanned where it lives; a host baseline uploaded
+            seg, d = device_encode.encode_run(
+                None if before is None else as_device_words(before, new), new[run.lo:run.hi],
+                shard.spec.dtype, tensor=piece.tensor, start=run.start, policy=policy,
+                track=track)
         else:
-            seg = encode_segment(before, shard.new[run.lo:run.hi], shard.spec.dtype,
-                                 tensor=piece.tensor, start=run.start, policy=policy)
+            seg, d = _host_run(None if before is None else host_only(before), new[run.lo:run.hi],
+                               shard.spec.dtype, tensor=piece.tensor, start=run.start,
+                               policy=policy, track=track)
+        change = digest_add(change, d)
         if seg is not None:
             segments.append(seg)
     return segments, change
 
 
-def encode_box_piece(piece: Piece, shard: Shard, old: np.ndarray | None, policy: EncodePolicy,
+def _host_run(old: np.ndarray | None, new: np.ndarray, dtype: DType, *, tensor: int, start: int,
+              policy: EncodePolicy, track: bool) -> tuple[Segment | None, bytes]:
+    """One run's segment and (with `track`) digest change, scanned on the host."""
+    if track:
+        return encode_segment_tracked(old, new, dtype, tensor=tensor, start=start, policy=policy)
+    return encode_segment(old, new, dtype, tensor=tensor, start=start, policy=policy), ZERO_DIGEST
+
+
+def host_only(words: Words) -> np.ndarray:
+    """Host words as they are (a device baseline under a host shard cannot happen: baselines
+    are copies of the shards' own bits, or host copies)."""
+    if isinstance(words, np.ndarray):
+        return words
+    raise UsageError("a host-scanned shard with a baseline on a device: publish with one backend")
+
+
+def encode_box_piece(piece: Piece, shard: Shard, old: Words | None, policy: EncodePolicy,
                      track: bool) -> tuple[list[Segment], bytes]:
     """Segments of a piece that is a box of a strided shard, and its digest change.
 
@@ -192,24 +216,43 @@ def encode_box_piece(piece: Piece, shard: Shard, old: np.ndarray | None, policy:
     """
     box = piece.sub_box()
     new = shard.new[piece.lo:piece.hi]
-
-    def dense() -> list[Segment]:
-        return [cast(Segment, encode_segment(None, new[r.lo - piece.lo:r.hi - piece.lo],
-                                             shard.spec.dtype, tensor=piece.tensor, start=r.start))
-                for r in piece.runs()]
-
-    start, stop = box.span
+    if isinstance(new, torch.Tensor):  # a device shard: scanned there, coded here
+        if old is None:
+            new = device_encode.host_words(new, shard.spec.dtype)
+        else:
+            local, was, now = device_encode.changes_of(
+                as_device_words(old[piece.lo:piece.hi], new), new)
+            return _box_delta(piece, box, local, was, now, shard, policy, track)
     if old is None:
+        start = box.span[0]
         change = digest_affine(new.reshape(box.shape), start, box.strides, threads=1) if track \
             else ZERO_DIGEST
-        return dense(), change
-    before = old[piece.lo:piece.hi]
+        return _dense_runs(piece, shard, new), change
+    before = host_only(old[piece.lo:piece.hi])
     local = changed_positions(before, new)
+    return _box_delta(piece, box, local, before[local], new[local], shard, policy, track)
+
+
+def _box_delta(piece: Piece, box: ShardBox, local: np.ndarray, was: np.ndarray, now: np.ndarray,
+               shard: Shard, policy: EncodePolicy, track: bool) -> tuple[list[Segment], bytes]:
+    """The delta segments of a box piece from its changed local positions and their words."""
     if local.size == 0:
         return [], ZERO_DIGEST
+    start, stop = box.span
     pos = box.canonical(local) - start  # increasing: row-major order is kept by the box map
-    was, now = before[local], new[local]
     change = digest_change(pos, was, now, first=start) if track else ZERO_DIGEST
     seg = encode_changes(pos, was, now, shard.spec.dtype, tensor=piece.tensor, start=start,
                          stop=stop, dense_numel=box.numel, policy=policy)
-    return ([seg] if seg is not None else dense()), change
+    if seg is not None:
+        return [seg], change
+    new = shard.new[piece.lo:piece.hi]
+    if isinstance(new, torch.Tensor):
+        new = device_encode.host_words(new, shard.spec.dtype)
+    return _dense_runs(piece, shard, new), change
+
+
+def _dense_runs(piece: Piece, shard: Shard, new: np.ndarray) -> list[Segment]:
+    """One dense segment per canonical run of a piece (`new`: the piece's host words)."""
+    return [cast(Segment, encode_segment(None, new[r.lo - piece.lo:r.hi - piece.lo],
+                                         shard.spec.dtype, tensor=piece.tensor, start=r.start))
+            for r in piece.runs()]
