@@ -7,6 +7,8 @@ cached, and on a loaded 2-core machine that first compilation took longer than t
 timeout of whichever test happened to run first. Compiling here, in `pytest_sessionstart`, puts
 it outside every test's timeout and makes each test's run time independent of test order.
 
+The device backend's host decoders (receive/device.py) are warmed the same way.
+
 The codec and digest wrappers hand every kernel one argument form per word width (issue 12:
 the suite used to compile 87 variants for the codec tests alone, now 60), so exercising each
 kernel once per width (`_warm_codec`, the context coder's in `_warm_ctx`) compiles everything any
@@ -20,6 +22,29 @@ import time
 from typing import Any
 
 import pytest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect the `gpu` tests on a machine without CUDA (reported, never counted as run)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu:
+        items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+        config.hook.pytest_deselected(items=gpu)
+        config.stash[_GPU_DESELECTED] = len(gpu)
+
+
+_GPU_DESELECTED = pytest.StashKey[int]()
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    n = config.stash.get(_GPU_DESELECTED, 0)
+    if n:
+        terminalreporter.write_line(f"{n} gpu test(s) deselected: no CUDA device on this machine "
+                                    "(they run unchanged where torch.cuda.is_available())")
 
 
 def _warm_kernels() -> float:
@@ -55,10 +80,15 @@ def _warm_kernels() -> float:
     return time.perf_counter() - t0
 
 
+# the numpy type of a torch word view of each width (the device decoder takes torch words)
+_SIGNED = {1: "u1", 2: "i2", 4: "i4", 8: "i8"}
+
+
 def _warm_codec() -> float:
     """Every codec and digest kernel once per word width (1, 2, 4, 8 bytes): each coding
     applied forwards (with and without digest sums), inversely and rolled back."""
     import numpy as np
+    import torch
 
     from reference_codec import make_pair, ref_segment
     from weighthub.codec import (
@@ -72,6 +102,7 @@ def _warm_codec() -> float:
     )
     from weighthub.codec.digest import staged_old_digest
     from weighthub.digest import digest_affine, digest_bits
+    from weighthub.receive.device import decode_segment
     from weighthub.tensors import DTYPE_BY_NAME
 
     t0 = time.perf_counter()
@@ -91,6 +122,7 @@ def _warm_codec() -> float:
             seg = ref_segment(old, new, dtype, positions, values, 16)
             staged_old_digest(seg, old, dtype, "warm-up")
             regap_segment(seg, old, dtype, "warm-up")
+            decode_segment(seg, torch.from_numpy(old.view(_SIGNED[dtype.width])), dtype, "warm-up")
             for sums in (False, True):
                 dst, undo = old.copy(), UndoLog()
                 kw = {"dnew": np.zeros(2, np.uint64), "dold": np.zeros(2, np.uint64)} if sums else {}
@@ -111,10 +143,12 @@ def _warm_ctx(old: Any, new: Any, dtype: Any) -> None:
     and without digest sums, for both ops (on the first 256 elements: few enough exponent
     groups for any dtype, spec §2)."""
     import numpy as np
+    import torch
 
     from weighthub.codec import Op, Positions, Segment, UndoLog, Values, apply_segment, regap_segment
     from weighthub.codec.ctx import ctx_streams
     from weighthub.codec.digest import staged_old_digest
+    from weighthub.receive.device import decode_segment
 
     old, new = old[:256], new[:256]
     pos = np.flatnonzero(old != new)
@@ -124,6 +158,7 @@ def _warm_ctx(old: Any, new: Any, dtype: Any) -> None:
         seg = Segment(0, 0, old.size, op, Positions.CTX, Values.CTX, int(pos.size), *streams)
         staged_old_digest(seg, old, dtype, "warm-up")
         regap_segment(seg, old, dtype, "warm-up")
+        decode_segment(seg, torch.from_numpy(old.view(_SIGNED[dtype.width])), dtype, "warm-up")
         for kw in ({}, {"dnew": np.zeros(2, np.uint64), "dold": np.zeros(2, np.uint64)}):
             undo = UndoLog()
             apply_segment(seg, old.copy(), dtype, undo, "warm-up", **kw)

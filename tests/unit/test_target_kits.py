@@ -47,6 +47,27 @@ class TestModuleTarget(TargetTests):
         return specs_of(_Tied().state_dict())
 
 
+class TestTorchStateDictTarget(TargetTests):
+    """The device backend's views (torch words; CUDA in production, CPU tensors here)."""
+
+    def make_target(self) -> Target:
+        return StateDictTarget({}, backend="torch")
+
+
+class TestTorchModuleTarget(TargetTests):
+    def make_target(self) -> Target:
+        return ModuleTarget(_Tied(), backend="torch")
+
+    def model_specs(self) -> list[TensorSpec]:
+        return specs_of(_Tied().state_dict())
+
+
+@pytest.mark.gpu
+class TestCudaStateDictTarget(TargetTests):
+    def make_target(self) -> Target:
+        return StateDictTarget({}, device="cuda")
+
+
 class TestSafetensorsFileTarget(TargetTests):
     @pytest.fixture(autouse=True)
     def _tmp(self, tmp_path: Path) -> None:

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
 from ..errors import LimitError, PeerRefused, WeighthubError
-from ..targets.base import Held, Target, TargetWrapper
-from ..tensors import TensorSpec
+from ..targets.base import Held, Target, TargetWrapper, host_views
+from ..tensors import TensorSpec, Words
 
 
 class ReadLeases:
@@ -110,7 +110,7 @@ class ReadLeases:
             self._leases[lease] = now + self.ttl_s
             self._inflight += 1
         try:
-            bits = self.target.peek().get(tensor)
+            bits = host_views(self.target.peek(), "serving dense ranges").get(tensor)
             if bits is None:
                 raise LimitError(f"no tensor {tensor!r} in version {version}")
             raw = bits.reshape(-1).view(np.uint8)
@@ -184,7 +184,7 @@ class LeasedTarget(TargetWrapper):
     def specs(self) -> list[TensorSpec] | None:
         return None if self.leases.distrusted is not None else self.inner.specs()
 
-    def open(self, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
+    def open(self, specs: list[TensorSpec]) -> Mapping[str, Words]:
         self.last_wait_clean = self.leases.begin_apply()
         return self.inner.open(specs)
 

@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from ..codec import UndoLog, apply_segment
-from ..digest import digest_affine, digest_sub, lanes_digest
+from ..digest import digest_sub, lanes_digest
+from ..digest.words import digest_words_affine
 from ..errors import PlacementError
 from ..layout import ShardBox
+from ..tensors import Words, words_numel
+from . import device
 from .inputs import Chunk, Step
 
 
@@ -32,7 +37,7 @@ class Applied:
     busy_verify: float
 
 
-def apply_step(step: Step, views: dict[str, np.ndarray], alias: dict[str, str], undo: UndoLog,
+def apply_step(step: Step, views: Mapping[str, Words], alias: dict[str, str], undo: UndoLog,
                touched: set[int], *, incremental: bool, where: str, workers: int) -> Applied:
     """Apply every chunk of `step` in place; returns its digest changes (incremental only).
 
@@ -46,6 +51,11 @@ def apply_step(step: Step, views: dict[str, np.ndarray], alias: dict[str, str], 
     because `check_disjoint` refused targets whose views partly overlap. `alias`: the views'
     unique_views. `where`: prefix of chunk names in messages (the store's url).
     `touched` receives the index of every tensor the step wrote.
+
+    A tensor whose view is torch words is applied on its device (`receive.device`): its
+    segments were decoded while staging (`Chunk.decoded`), or are decoded here against the
+    words it holds now (a later step of a chain); its digest changes come back to the host once
+    per chunk.
     """
     m = step.manifest
     specs = m.specs()
@@ -56,12 +66,27 @@ def apply_step(step: Step, views: dict[str, np.ndarray], alias: dict[str, str], 
         t0 = time.thread_time()
         fold = incremental and not full
         olds = chunk.olds if chunk.olds is not None else [None] * len(chunk.frame.segments)
+        decoded = chunk.decoded if chunk.decoded is not None else [None] * len(olds)
         changes: list[tuple[int, bytes]] = []
-        for seg, seg_old in zip(chunk.frame.segments, olds, strict=True):
+        on_device: list[tuple[int, torch.Tensor]] = []
+        for seg, seg_old, dseg in zip(chunk.frame.segments, olds, decoded, strict=True):
             spec = specs[seg.tensor]
             if alias[spec.name] != spec.name:
                 continue  # tied to an earlier name: its bits change through that one
-            dst = views[spec.name][seg.start: seg.stop]
+            view = views[spec.name]
+            if isinstance(view, torch.Tensor):
+                name = f"{where}/{chunk.ref.key}"
+                dst_t = view[seg.start: seg.stop]
+                if dseg is None:
+                    dseg = device.decode_segment(seg, dst_t, spec.dtype, name,
+                                                 pinned=dst_t.is_cuda)
+                lanes = device.apply_segment(dseg, dst_t, spec.dtype, undo, inverse=step.inverse,
+                                             fold=fold, where=name)
+                if lanes is not None:
+                    on_device.append((seg.tensor, lanes))
+                touched.add(seg.tensor)
+                continue
+            dst = view[seg.start: seg.stop]
             dnew = np.zeros(2, np.uint64) if fold else None
             dold = np.zeros(2, np.uint64) if fold and seg_old is None else None
             apply_segment(seg, dst, spec.dtype, undo, f"{where}/{chunk.ref.key}",
@@ -70,19 +95,21 @@ def apply_step(step: Step, views: dict[str, np.ndarray], alias: dict[str, str], 
                 before = seg_old if dold is None else lanes_digest(dold)
                 changes.append((seg.tensor, digest_sub(lanes_digest(dnew), before or b"")))
             touched.add(seg.tensor)
+        changes += zip([ti for ti, _ in on_device],
+                       device.lanes_to_digests([lanes for _, lanes in on_device]), strict=True)
         ref = chunk.ref
         if full:
             touched.update(ti for ti, _s, _e in ref.covers)
             touched.update(ti for ti, _o, _s in ref.boxes)
         t1 = time.thread_time()
         if incremental and full:
-            changes = [(ti, digest_affine(views[specs[ti].name][a:b], a, (1,), threads=1))
+            changes = [(ti, digest_words_affine(views[specs[ti].name][a:b], a, (1,)))
                        for ti, a, b in ref.covers if alias[specs[ti].name] == specs[ti].name]
             for ti, offset, shape in ref.boxes:  # a box: its strided view, placed, no copy
                 if alias[specs[ti].name] == specs[ti].name:
                     box = ShardBox(specs[ti].shape, tuple(offset), tuple(shape))
                     block = views[specs[ti].name].reshape(specs[ti].shape)[box.slices]
-                    changes.append((ti, digest_affine(block, box.first, box.strides, threads=1)))
+                    changes.append((ti, digest_words_affine(block, box.first, box.strides)))
         return changes, t1 - t0, time.thread_time() - t1
 
     jobs: list[Future[tuple[list[tuple[int, bytes]], float, float]]] = []
@@ -102,7 +129,7 @@ def apply_step(step: Step, views: dict[str, np.ndarray], alias: dict[str, str], 
                    sum(d[2] for d in done))
 
 
-def check_disjoint(views: dict[str, np.ndarray], alias: dict[str, str]) -> None:
+def check_disjoint(views: Mapping[str, Words], alias: dict[str, str]) -> None:
     """Refuse a target whose writable views partly overlap in memory.
 
     Exact aliases (tied weights) are fine: unique_views applies through one name only. A partial
@@ -111,18 +138,27 @@ def check_disjoint(views: dict[str, np.ndarray], alias: dict[str, str]) -> None:
     applying in parallel could race on the shared words. One sort of the views' byte extents;
     extents that intersect (strided views can interleave without sharing a byte) are decided by
     np.shares_memory, bounded, and a pair it cannot decide counts as overlapping. `alias`: the
-    views' unique_views. ~2 µs a view (1236 views: 2.5 ms).
+    views' unique_views. ~2 µs a view (1236 views: 2.5 ms). Torch word views are contiguous
+    (targets refuse others), so on one device intersecting extents share memory; each device
+    is its own address space (the host's holds numpy and CPU torch views alike).
     """
     spans = sorted((*_byte_extent(views[name]), name) for name, first in alias.items()
-                   if first == name and views[name].size)
+                   if first == name and words_numel(views[name]))
     open_: list[tuple[int, str]] = []  # (end, name) of extents still reaching past the cursor
-    for lo, hi, name in spans:
+    space = None
+    for where, lo, hi, name in spans:
+        if where != space:
+            open_, space = [], where
         open_ = [(end, other) for end, other in open_ if end > lo]
         for _end, other in open_:
-            try:
-                shared = np.shares_memory(views[name], views[other], max_work=1 << 16)
-            except np.exceptions.TooHardError:
-                shared = True
+            a, b = views[name], views[other]
+            if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
+                shared = True  # contiguous views with intersecting extents
+            else:
+                try:
+                    shared = np.shares_memory(a, b, max_work=1 << 16)
+                except np.exceptions.TooHardError:
+                    shared = True
             if shared:
                 raise PlacementError(f"the target's tensors {other!r} and {name!r} partly share "
                                      "memory (neither is an exact alias of the other): weighthub "
@@ -131,8 +167,16 @@ def check_disjoint(views: dict[str, np.ndarray], alias: dict[str, str]) -> None:
         open_.append((hi, name))
 
 
-def _byte_extent(v: np.ndarray) -> tuple[int, int]:
-    """[first, last + 1) byte addresses an array's elements occupy."""
+def _byte_extent(v: Words) -> tuple[str, int, int]:
+    """(address space, first, last + 1) byte addresses a view's elements occupy."""
+    if isinstance(v, torch.Tensor):
+        space = "cpu" if v.device.type == "cpu" else str(v.device)
+        return space, v.data_ptr(), v.data_ptr() + v.numel() * v.element_size()
+    lo, hi = _host_extent(v)
+    return "cpu", lo, hi
+
+
+def _host_extent(v: np.ndarray) -> tuple[int, int]:
     lo = hi = v.ctypes.data
     if v.flags.c_contiguous:
         return lo, lo + v.nbytes

@@ -19,8 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..format import ChunkFrame, ChunkRef, Manifest
+
+if TYPE_CHECKING:
+    from .device import DeviceSegment
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,11 +33,14 @@ class Chunk:
 
     `olds`: per segment, Σ mix(i, held word) over what it will rewrite, computed while staging
     from the held bits (the first delta of a route only); None where not computed.
+    `decoded`: per segment, its decoding for a tensor the target holds on a device
+    (`receive.device`), done while staging; None where not (host tensors, later steps).
     """
 
     frame: ChunkFrame
     ref: ChunkRef
     olds: Sequence[bytes | None] | None = None
+    decoded: Sequence[DeviceSegment | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

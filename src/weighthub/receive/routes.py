@@ -9,12 +9,13 @@ verification, and states the base binding every step must meet at apply time (in
 from __future__ import annotations
 
 from .. import catalog
-from ..digest import digest_bits, root_digest
+from ..digest import root_digest
+from ..digest.words import digest_words
 from ..errors import BaseMismatch, FormatError, ObjectNotFound, UsageError, VersionNotFound
 from ..format import Manifest
 from ..store import Store
 from ..targets.base import Held, Target
-from ..tensors import check_same_model
+from ..tensors import check_same_model, words_numel
 from .inputs import Step
 from .verify import modified_outside
 
@@ -69,8 +70,8 @@ def held_digests(store: Store, target: Target, held: Held, first: Manifest,
     except (ObjectNotFound, VersionNotFound, FormatError):
         pass  # deleted by retention, or unreadable: read the held bits instead
     peek = target.peek()
-    digests = {s.name: digest_bits(peek[s.name]) for s in specs
-               if s.name in peek and peek[s.name].size == s.numel}
+    digests = {s.name: digest_words(peek[s.name]) for s in specs
+               if s.name in peek and words_numel(peek[s.name]) == s.numel}
     if len(digests) == len(specs):
         got = root_digest((s, digests[s.name]) for s in specs).hex()
         if got != held.root:

@@ -19,9 +19,11 @@ the words it will replace are summed (`olds`). Nothing of the target is written.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import torch
 
 from .. import catalog
 from ..codec import Op, Positions, Segment, regap_segment
@@ -32,7 +34,8 @@ from ..format.chunk import body_bound
 from ..layout import ShardBox, segment_outside
 from ..sources import ChunkId, SourceList
 from ..targets.base import Held, Target
-from ..tensors import TensorSpec, dtype_named
+from ..tensors import TensorSpec, Words, dtype_named
+from .device import DeviceSegment, decode_segment
 from .inputs import Chunk, Step
 
 
@@ -64,11 +67,14 @@ def stage_route(route: list[catalog.Rep], manifests: list[tuple[Manifest, Manife
         check_segments(frame, ref, m, name, inverse=route[job[0]].inverse)
         if job[0] != 0 or not base_bits:
             return Chunk(frame, ref)
+        # tensors held on a device: decoded for it now (grouped and ctx positions against the
+        # words it holds), so the pause only copies compact arrays up and applies
+        decoded = [device_decoded(seg, first_specs, base_bits, name) for seg in frame.segments]
         frame = ChunkFrame(tuple(regap(seg, first_specs, base_bits, name)
                                  for seg in frame.segments))
         olds = ([old_digest(seg, first_specs, base_bits, name) for seg in frame.segments]
                 if incremental else None)
-        return Chunk(frame, ref, olds)
+        return Chunk(frame, ref, olds, decoded if any(decoded) else None)
 
     try:
         with ThreadPoolExecutor(workers) as pool:
@@ -126,23 +132,47 @@ def check_segments(frame: ChunkFrame, ref: ChunkRef, m: Manifest, where: str, *,
             raise FormatError(f"{where}: full chunk carries {total} of {need} covered elements")
 
 
-def regap(seg: Segment, specs: list[TensorSpec], base_bits: dict[str, np.ndarray],
+def regap(seg: Segment, specs: list[TensorSpec], base_bits: Mapping[str, Words],
           where: str) -> Segment:
     """Decode a segment's exponent-grouped or context-coded positions (and ctx values) against
-    the held bits, before the pause."""
+    the held bits, before the pause (host tensors; device ones: `device_decoded`)."""
     spec = specs[seg.tensor]
-    base = base_bits.get(spec.name)
-    if seg.positions not in (Positions.GROUPS, Positions.CTX) or base is None \
-            or base.dtype != spec.dtype.uint or base.size != spec.numel:
+    base = _host_base(base_bits, spec)
+    if seg.positions not in (Positions.GROUPS, Positions.CTX) or base is None:
         return seg  # nothing to do, or a mismatch the apply step reports properly
     return regap_segment(seg, base[seg.start: seg.stop], spec.dtype, where)
 
 
-def old_digest(seg: Segment, specs: list[TensorSpec], base_bits: dict[str, np.ndarray],
+def old_digest(seg: Segment, specs: list[TensorSpec], base_bits: Mapping[str, Words],
                where: str) -> bytes | None:
     """Σ mix(i, held word) over the words `seg` will rewrite (None: left to the apply)."""
     spec = specs[seg.tensor] if seg.tensor < len(specs) else None
-    base = base_bits.get(spec.name) if spec is not None else None
-    if spec is None or base is None or base.dtype != spec.dtype.uint or base.size != spec.numel:
-        return None  # a mismatch the apply step reports properly
+    base = _host_base(base_bits, spec) if spec is not None else None
+    if spec is None or base is None:
+        return None  # a mismatch the apply step reports properly, or a device tensor
     return staged_old_digest(seg, base[seg.start: seg.stop], spec.dtype, where)
+
+
+def device_decoded(seg: Segment, specs: list[TensorSpec], views: Mapping[str, Words],
+                   where: str) -> DeviceSegment | None:
+    """The segment decoded for the device holding its tensor (None: a host tensor, a dense
+    segment, or a mismatch the apply step reports properly). Grouped and ctx positions are
+    placed against the words the device holds now, so this is for the route's first step only."""
+    spec = specs[seg.tensor] if seg.tensor < len(specs) else None
+    view = views.get(spec.name) if spec is not None else None
+    if spec is None or not isinstance(view, torch.Tensor) or view.numel() != spec.numel \
+            or view.element_size() != spec.dtype.width:
+        return None
+    if seg.op == Op.DENSE:  # its words are the frame's bytes: copied up in the pause (a staged
+        return None  # full version would otherwise sit in host memory twice)
+    base = view[seg.start: seg.stop] if seg.positions in (Positions.GROUPS, Positions.CTX) \
+        else None
+    return decode_segment(seg, base, spec.dtype, where, pinned=view.is_cuda)
+
+
+def _host_base(views: Mapping[str, Words], spec: TensorSpec) -> np.ndarray | None:
+    base = views.get(spec.name)
+    if not isinstance(base, np.ndarray) or base.dtype != spec.dtype.uint \
+            or base.size != spec.numel:
+        return None
+    return base

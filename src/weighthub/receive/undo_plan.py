@@ -10,7 +10,7 @@ superset is safe: words it does not change are journaled at the value they keep)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -18,6 +18,8 @@ from ..codec import Positions
 from ..codec.apply import bitmap_positions
 from ..codec.segment import Segment
 from ..errors import FormatError
+from ..targets.base import host_views
+from ..tensors import Words
 from .inputs import Step
 
 # (words of one range of a view, positions in it or None for all of them)
@@ -59,11 +61,13 @@ def _positions(seg: Segment) -> np.ndarray | None:
     return None
 
 
-def plan_step(step: Step, views: dict[str, np.ndarray], alias: dict[str, str]) -> Planned | None:
+def plan_step(step: Step, all_views: Mapping[str, Words], alias: dict[str, str]) -> Planned | None:
     """Every range (and positions in it) `step` may write through `views`, or None when its
-    chunks are a stream that cannot be read ahead (then the caller journals all it maps)."""
+    chunks are a stream that cannot be read ahead (then the caller journals all it maps).
+    Journaling targets (files) hold host memory."""
     if not isinstance(step.chunks, Sequence):
         return None
+    views = host_views(all_views, "a journaling target")
     specs = step.manifest.specs()
     out: Planned = []
     for chunk in step.chunks:

@@ -10,17 +10,17 @@ digest before plus Σ mix(new) − mix(old) over the words the apply rewrote.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-
-from ..digest import ZERO_DIGEST, digest_add, digest_bits, root_digest
+from ..digest import ZERO_DIGEST, digest_add, root_digest
+from ..digest.words import digest_words
 from ..errors import BaseMismatch, IntegrityError
 from ..format import Manifest
-from ..tensors import TensorSpec
+from ..tensors import TensorSpec, Words
 
 
-def check_step(views: dict[str, np.ndarray], alias: dict[str, str], m: Manifest,
+def check_step(views: Mapping[str, Words], alias: dict[str, str], m: Manifest,
                changes: list[tuple[int, bytes]], digests: dict[str, bytes] | None, *,
                from_nothing: bool) -> dict[str, bytes]:
     """Digests after a step (held digests + changes), checked against m's, the manifest of
@@ -38,7 +38,7 @@ def check_step(views: dict[str, np.ndarray], alias: dict[str, str], m: Manifest,
     touched = {ti for ti, _ in changes}
     missing = {ti for ti in touched if specs[ti].name not in new}
     for ti in missing:
-        new[specs[ti].name] = digest_bits(views[specs[ti].name])
+        new[specs[ti].name] = digest_words(views[specs[ti].name])
     for ti, change in changes:
         if ti not in missing:
             new[specs[ti].name] = digest_add(new[specs[ti].name], change)
@@ -46,7 +46,7 @@ def check_step(views: dict[str, np.ndarray], alias: dict[str, str], m: Manifest,
     for i, s in enumerate(specs):
         if alias[s.name] != s.name:  # a tied name holds the very same words as its first
             first = alias[s.name]
-            new[s.name] = new[first] if first in new else digest_bits(views[first])
+            new[s.name] = new[first] if first in new else digest_words(views[first])
             check.add(i)
     bad = [specs[i].name for i in sorted(check)
            if new[specs[i].name].hex() != m.tensors[i].digest]
@@ -56,7 +56,7 @@ def check_step(views: dict[str, np.ndarray], alias: dict[str, str], m: Manifest,
     return new
 
 
-def check_touched(views: dict[str, np.ndarray], m: Manifest, touched: set[int]) -> None:
+def check_touched(views: Mapping[str, Words], m: Manifest, touched: set[int]) -> None:
     """Digests of every tensor the transaction changed must equal the manifest's (full pass).
 
     Untouched tensors still hold bits that were verified when their version committed.
@@ -69,7 +69,7 @@ def check_touched(views: dict[str, np.ndarray], m: Manifest, touched: set[int]) 
                              f"from the manifest's digests: {bad[:5]}; rolled back")
 
 
-def check_root(views: dict[str, np.ndarray], specs: list[TensorSpec],
+def check_root(views: Mapping[str, Words], specs: list[TensorSpec],
                root: str) -> dict[str, bytes]:
     """Digest every tensor; refuse unless they make the held root. Returns the digests."""
     digests = digests_hex(views, [s.name for s in specs])
@@ -85,7 +85,7 @@ def modified_outside(got: str, claimed: str) -> BaseMismatch:
                         "afresh (`weighthub pull --force`, or into an empty path)")
 
 
-def digests_hex(views: dict[str, np.ndarray], names: list[str]) -> dict[str, str]:
+def digests_hex(views: Mapping[str, Words], names: list[str]) -> dict[str, str]:
     with ThreadPoolExecutor(2) as pool:  # the digest kernels release the GIL
-        return dict(zip(names, pool.map(lambda n: digest_bits(views[n], threads=1).hex(), names),
+        return dict(zip(names, pool.map(lambda n: digest_words(views[n], threads=1).hex(), names),
                         strict=True))

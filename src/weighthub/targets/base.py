@@ -23,13 +23,17 @@ behaviour every target must have.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from ..tensors import TensorSpec
+from ..errors import UsageError
+from ..tensors import TensorSpec, Words, bits, word_view
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +51,9 @@ class Target(Protocol):
 
     def specs(self) -> list[TensorSpec] | None: ...
 
-    def peek(self) -> dict[str, np.ndarray]: ...
+    def peek(self) -> Mapping[str, Words]: ...
 
-    def open(self, specs: list[TensorSpec]) -> dict[str, np.ndarray]: ...
+    def open(self, specs: list[TensorSpec]) -> Mapping[str, Words]: ...
 
     def commit(self, held: Held) -> None: ...
 
@@ -74,10 +78,10 @@ class TargetWrapper:
     def specs(self) -> list[TensorSpec] | None:
         return self.inner.specs()
 
-    def peek(self) -> dict[str, np.ndarray]:
+    def peek(self) -> Mapping[str, Words]:
         return self.inner.peek()
 
-    def open(self, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
+    def open(self, specs: list[TensorSpec]) -> Mapping[str, Words]:
         return self.inner.open(specs)
 
     def journal_step(self, plan: Plan) -> None:
@@ -103,15 +107,95 @@ def journal_step(target: Target, plan: Plan) -> None:
         hook(plan)
 
 
-def unique_views(views: dict[str, np.ndarray]) -> dict[str, str]:
+def unique_views(views: Mapping[str, Words]) -> dict[str, str]:
     """Map each name to the first name sharing its exact memory (tied weights).
 
     Applying a delta twice through two aliases of one buffer would corrupt it, so the receiver
     applies only through the first name and checks the others' digests.
     """
-    first: dict[tuple[int, int, str], str] = {}
+    first: dict[tuple[object, ...], str] = {}
     out = {}
     for name, v in views.items():
-        key = (v.ctypes.data, v.size, v.dtype.str)
+        if isinstance(v, np.ndarray):
+            key: tuple[object, ...] = ("cpu", v.ctypes.data, v.size, v.dtype.itemsize)
+        else:  # a torch word view: its device's address space
+            key = (str(v.device), v.data_ptr(), v.numel(), v.element_size())
         out[name] = first.setdefault(key, name)
+    return out
+
+
+def host_views(views: Mapping[str, Words], user: str) -> dict[str, np.ndarray]:
+    """The views as host numpy words, for code that works on host memory only (`user`, named in
+    the error); UsageError naming the tensors a target holds on a device."""
+    device = sorted(n for n, v in views.items() if not isinstance(v, np.ndarray))
+    if device:
+        raise UsageError(f"{user} works on host memory, but the target holds {device[:3]} on a "
+                         "device (torch words): give it CPU tensors")
+    return {n: v for n, v in views.items() if isinstance(v, np.ndarray)}
+
+
+BACKENDS = ("auto", "host", "torch")
+
+
+def check_backend(backend: str) -> str:
+    """Refuse a target backend other than "auto", "host" or "torch" (UsageError)."""
+    if backend not in BACKENDS:
+        raise UsageError(f"target backend={backend!r}: pass one of {list(BACKENDS)} (auto: "
+                         "where each tensor lives; host: CPU tensors only; torch: the device "
+                         "code on every tensor)")
+    return backend
+
+
+def check_device(device: str | torch.device, backend: str) -> torch.device:
+    """The device an empty target materializes on (UsageError for one torch cannot name, or a
+    device with backend "host")."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise UsageError(f"target device={device!r} is not a torch device: {exc}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise UsageError(f"target device={dev}: weighthub materializes into host or CUDA memory")
+    if dev.type != "cpu" and backend == "host":
+        raise UsageError(f"target device={dev} with backend 'host': the host backend applies "
+                         "to CPU tensors only; pass backend='auto'")
+    return dev
+
+
+def views_of(tensors: Mapping[str, torch.Tensor], backend: str) -> dict[str, Words]:
+    """Writable bit views of a target's tensors, as the backend that applies to each wants them:
+    host numpy words for CPU tensors (unless backend "torch"), torch word views on the tensor's
+    device otherwise.
+
+    Raises:
+        UsageError: a tensor on a device with backend "host", on a device that is neither the
+            host nor CUDA (meta), tensors on more than one CUDA device, a non-contiguous tensor
+            where a torch view is needed (the view would be a copy), or a dtype weighthub does
+            not carry.
+    """
+    out: dict[str, Words] = {}
+    devices: dict[str, str] = {}  # CUDA device → a tensor on it
+    for name, t in tensors.items():
+        if t.device.type not in ("cpu", "cuda"):
+            raise UsageError(f"tensor {name!r} is on {t.device}: weighthub applies into host or "
+                             "CUDA memory; materialize the model on one of those first")
+        on_device = t.device.type != "cpu"
+        if on_device:
+            devices.setdefault(str(t.device), name)
+            if len(devices) > 1:
+                (d0, n0), (d1, n1) = list(devices.items())[:2]
+                raise UsageError(f"the target's tensors are on several CUDA devices ({n0!r} on "
+                                 f"{d0}, {n1!r} on {d1}): one receiver applies into one device "
+                                 "(and the host); give each device's tensors a receiver of "
+                                 "their own, as tensor-parallel ranks do")
+        if on_device and backend == "host":
+            raise UsageError(f"tensor {name!r} is on {t.device}, and this target was made with "
+                             "backend='host' (CPU tensors only): pass backend='auto'")
+        if on_device or backend == "torch":
+            if not t.is_contiguous():
+                raise UsageError(f"tensor {name!r} is not contiguous; cannot update it in place")
+            out[name] = word_view(t)
+        else:
+            out[name] = bits(t)
     return out

@@ -15,15 +15,15 @@ previous ones (one compare pass over the converted tensors; the copy costs their
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from ..errors import UsageError
-from ..tensors import TensorSpec
-from .base import Held, Target, TargetWrapper
+from ..tensors import TensorSpec, Words
+from .base import Held, Target, TargetWrapper, host_views
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 _SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
@@ -99,9 +99,17 @@ class Fp8BlockTarget(TargetWrapper):
         self.report = ConversionReport()
         self._prev: dict[str, np.ndarray] = {}  # canonical bits the weights were made from
 
+    def open(self, specs: list[TensorSpec]) -> Mapping[str, Words]:
+        views = self.inner.open(specs)
+        try:
+            return host_views(views, "Fp8BlockTarget's re-quantization")
+        except UsageError:
+            self.inner.abort()
+            raise
+
     def commit(self, held: Held) -> None:
         """Re-quantize the changed blocks (computed first), commit the inner, then install."""
-        views = self.inner.peek()
+        views = host_views(self.inner.peek(), "Fp8BlockTarget's re-quantization")
         specs = [s for s in self.inner.specs() or [] if self.select(s)]
         updates = {s.name: self._convert(s, views[s.name]) for s in specs}
         self.inner.commit(held)

@@ -1,4 +1,4 @@
-"""An nn.Module as a target: its parameters and buffers, updated in place."""
+"""An nn.Module as a target: its parameters and buffers, updated in place, wherever they live."""
 
 from __future__ import annotations
 
@@ -6,25 +6,29 @@ import numpy as np
 import torch
 
 from ..errors import UsageError
-from ..tensors import TensorSpec, bits, specs_of
-from .base import Held
+from ..tensors import TensorSpec, specs_of
+from .base import Held, check_backend, views_of
 
 
 class ModuleTarget:
     """Receives into a module's state_dict tensors (parameters and persistent buffers).
 
     The module must already have the model's structure; tied weights are handled (applied once).
+    Tensors on a CUDA device are updated there (the device backend: positions and values cross
+    to the device, the words never come to the host); CPU tensors by the host kernels. A model
+    may mix both. `backend="torch"` runs the device code on CPU tensors too (tests without a
+    GPU); "host" refuses device tensors.
     """
 
-    def __init__(self, module: torch.nn.Module, held: Held | None = None) -> None:
+    def __init__(self, module: torch.nn.Module, held: Held | None = None, *,
+                 backend: str = "auto") -> None:
         self.module = module
         self._held = held
+        self.backend = check_backend(backend)
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         out = {}
         for name, t in self.module.state_dict(keep_vars=True).items():
-            if t.device.type != "cpu":
-                raise UsageError(f"{name!r} is on {t.device}; ModuleTarget applies on CPU tensors")
             if not t.is_contiguous():
                 raise UsageError(f"{name!r} is not contiguous; cannot update it in place")
             out[name] = t.data
@@ -36,11 +40,11 @@ class ModuleTarget:
     def specs(self) -> list[TensorSpec] | None:
         return specs_of(self._tensors())
 
-    def peek(self) -> dict[str, np.ndarray]:
-        return {name: bits(t) for name, t in self._tensors().items()}
+    def peek(self) -> dict[str, np.ndarray | torch.Tensor]:
+        return views_of(self._tensors(), self.backend)
 
-    def open(self, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
-        return {name: bits(t) for name, t in self._tensors().items()}
+    def open(self, specs: list[TensorSpec]) -> dict[str, np.ndarray | torch.Tensor]:
+        return views_of(self._tensors(), self.backend)
 
     def commit(self, held: Held) -> None:
         self._held = held

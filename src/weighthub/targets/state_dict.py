@@ -1,22 +1,26 @@
-"""A state dict of CPU tensors as a target, updated in place (materialized if empty)."""
+"""A state dict of tensors as a target, updated in place (materialized if empty)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from ..errors import UsageError
-from ..tensors import TensorSpec, bits, specs_of
-from .base import Held
+from ..tensors import TensorSpec, specs_of
+from .base import Held, check_backend, check_device, views_of
 
 
 class StateDictTarget:
-    """Receives into `state` (name → CPU tensor). An empty dict is filled on first sync."""
+    """Receives into `state` (name → tensor). An empty dict is filled on first sync.
 
-    def __init__(self, state: dict[str, torch.Tensor], held: Held | None = None) -> None:
-        for name, t in state.items():
-            if t.device.type != "cpu":
-                raise UsageError(f"tensor {name!r} is on {t.device}; StateDictTarget needs CPU")
+    Tensors on a CUDA device are updated there (see ModuleTarget); an empty state is
+    materialized on `device` (default: the host).
+    """
+
+    def __init__(self, state: dict[str, torch.Tensor], held: Held | None = None, *,
+                 backend: str = "auto", device: str | torch.device = "cpu") -> None:
+        self.backend = check_backend(backend)
+        self.device = check_device(device, self.backend)
+        views_of(state, self.backend)  # refuses what it cannot update, before anything runs
         self.state = state
         self._held = held
         self._materialized: list[str] = []
@@ -27,15 +31,16 @@ class StateDictTarget:
     def specs(self) -> list[TensorSpec] | None:
         return specs_of(self.state) if self.state else None
 
-    def peek(self) -> dict[str, np.ndarray]:
-        return {name: bits(t) for name, t in self.state.items()}
+    def peek(self) -> dict[str, np.ndarray | torch.Tensor]:
+        return views_of(self.state, self.backend)
 
-    def open(self, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
+    def open(self, specs: list[TensorSpec]) -> dict[str, np.ndarray | torch.Tensor]:
         if not self.state:
             for s in specs:
-                self.state[s.name] = torch.empty(s.shape, dtype=s.dtype.torch_dtype)
+                self.state[s.name] = torch.empty(s.shape, dtype=s.dtype.torch_dtype,
+                                                 device=self.device)
                 self._materialized.append(s.name)
-        return {name: bits(t) for name, t in self.state.items()}
+        return views_of(self.state, self.backend)
 
     def commit(self, held: Held) -> None:
         self._held = held

@@ -9,16 +9,20 @@ before, and that views of distinct tensors never share memory (tied aliases asid
 Subclass it and implement `make_target()`; override `model_specs()` when the target has a fixed
 model (a module, an engine), and `held_for()` when commit needs a real version (an engine that
 reads the version's manifest at commit).
+
+Views may be host numpy words or torch word views on a device (`tensors.Words`: what the
+device backend applies into); the kit reads and writes either through the same helpers.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 
 import numpy as np
 
 from ..targets.base import Held, Target, unique_views
-from ..tensors import DTYPE_BY_NAME, TensorSpec
+from ..tensors import DTYPE_BY_NAME, TensorSpec, Words
 
 # A tensor table with the awkward parts: a 2-D bf16 weight that is not a whole number of 128×128
 # blocks (fp8 targets quantize it), fp32 and fp16 tensors, odd shapes, an integer buffer.
@@ -63,7 +67,7 @@ class TargetTests:
     def _specs(self, target: Target) -> list[TensorSpec]:
         return target.specs() or self.model_specs()
 
-    def _write(self, target: Target, views: dict[str, np.ndarray], seed: int
+    def _write(self, target: Target, views: Mapping[str, Words], seed: int
                ) -> dict[str, np.ndarray]:
         """Write a pattern through the first name of each memory (aliases follow); return the
         bits every name should then read."""
@@ -73,7 +77,7 @@ class TargetTests:
         for name, owner in first.items():
             if owner == name:
                 bits = self.pattern(specs[name], seed + len(written))
-                views[name].reshape(-1)[...] = bits.view(views[name].dtype)
+                write_words(views[name], bits)
                 written[name] = bits
         return {name: written[owner] for name, owner in first.items()}
 
@@ -81,7 +85,7 @@ class TargetTests:
         got = target.peek()
         assert set(got) == set(want), f"{when}: peek names {sorted(got)} != {sorted(want)}"
         for name, bits in want.items():
-            have = np.ascontiguousarray(got[name]).reshape(-1).view(bits.dtype)
+            have = host_words(got[name]).view(bits.dtype)
             if not np.array_equal(have, bits):
                 diff = int(np.count_nonzero(have != bits))
                 raise AssertionError(f"{when}: {name!r} differs in {diff} of {bits.size} words")
@@ -116,10 +120,16 @@ class TargetTests:
             assert set(views) == {s.name for s in specs}, sorted(views)
             for s in specs:
                 v = views[s.name]
-                assert isinstance(v, np.ndarray), s.name
-                assert v.dtype.kind == "u" and v.dtype.itemsize == s.dtype.width, (s.name, v.dtype)
-                assert v.size == s.numel, (s.name, v.size, s.numel)
-                assert v.flags.writeable, f"{s.name}: the view must be writable in place"
+                if isinstance(v, np.ndarray):
+                    assert v.dtype.kind == "u" and v.dtype.itemsize == s.dtype.width, (s.name,
+                                                                                     v.dtype)
+                    assert v.size == s.numel, (s.name, v.size, s.numel)
+                    assert v.flags.writeable, f"{s.name}: the view must be writable in place"
+                else:  # torch words: integer, flat, contiguous (the device backend writes them)
+                    assert not v.dtype.is_floating_point and v.element_size() == s.dtype.width, (
+                        s.name, v.dtype)
+                    assert v.dim() == 1 and v.is_contiguous(), (s.name, tuple(v.shape))
+                    assert v.numel() == s.numel, (s.name, v.numel(), s.numel)
         finally:
             target.abort()
 
@@ -144,7 +154,7 @@ class TargetTests:
         self._write(target, views, seed=22)  # the apply
         for name, owner in unique_views(views).items():  # the receiver's undo log, replayed
             if owner == name:
-                views[name].reshape(-1)[...] = before[name].view(views[name].dtype)
+                write_words(views[name], before[name])
         target.abort()
         assert target.held() == held, "abort must keep the committed version"
         self._assert_bits(target, before, "after abort")
@@ -170,16 +180,17 @@ class TargetTests:
         try:
             first = unique_views(views)
             owners = sorted({o for o in first.values()})
-            spans = sorted((views[n].ctypes.data, views[n].ctypes.data + views[n].nbytes, n)
-                           for n in owners if views[n].nbytes)
-            for (_s0, e0, a), (s1, _e1, b) in itertools.pairwise(spans):
-                assert e0 <= s1, f"views {a!r} and {b!r} overlap"
+            spans = sorted((*extent, n) for n in owners
+                           if (extent := _extent(views[n]))[2] > extent[1])
+            for (d0, _s0, e0, a), (d1, s1, _e1, b) in itertools.pairwise(spans):
+                assert d0 != d1 or e0 <= s1, f"views {a!r} and {b!r} overlap"
             for name in owners:  # and a write through one view changes no other tensor
-                snapshot = {n: views[n].copy() for n in owners if n != name}
-                views[name].reshape(-1)[:1] ^= views[name].dtype.type(1)
+                snapshot = {n: host_words(views[n]).copy() for n in owners if n != name}
+                flip_first(views[name])
                 for n, bits in snapshot.items():
-                    assert np.array_equal(views[n], bits), f"writing {name!r} changed {n!r}"
-                views[name].reshape(-1)[:1] ^= views[name].dtype.type(1)
+                    assert np.array_equal(host_words(views[n]), bits), \
+                        f"writing {name!r} changed {n!r}"
+                flip_first(views[name])
         finally:
             target.abort()
 
@@ -191,4 +202,40 @@ class TargetTests:
         peek = target.peek()
         assert set(peek) == {s.name for s in specs}
         for s in specs:
-            assert peek[s.name].size == s.numel and peek[s.name].dtype.itemsize == s.dtype.width
+            have = host_words(peek[s.name])
+            assert have.size == s.numel and have.dtype.itemsize == s.dtype.width
+
+
+def host_words(view: Words) -> np.ndarray:
+    """A view's words as flat unsigned host words (a copy for torch words on a device)."""
+    if isinstance(view, np.ndarray):
+        return np.ascontiguousarray(view).reshape(-1)
+    arr = view.detach().reshape(-1).cpu().numpy()
+    return arr.view(f"u{arr.dtype.itemsize}")
+
+
+def write_words(view: Words, bits: np.ndarray) -> None:
+    """view[:] = bits (flat unsigned words of the view's width), in place, where it lives."""
+    if isinstance(view, np.ndarray):
+        view.reshape(-1)[...] = bits.view(view.dtype)
+        return
+    import torch
+
+    signed = bits.view("u1" if bits.dtype.itemsize == 1 else f"i{bits.dtype.itemsize}")
+    view.reshape(-1).copy_(torch.from_numpy(np.ascontiguousarray(signed)))
+
+
+def flip_first(view: Words) -> None:
+    """Flip the lowest bit of a view's first word, in place."""
+    if isinstance(view, np.ndarray):
+        view.reshape(-1)[:1] ^= view.dtype.type(1)
+    else:
+        view.reshape(-1)[:1] ^= 1
+
+
+def _extent(view: Words) -> tuple[str, int, int]:
+    """(address space, first byte, past the last byte) of a contiguous view."""
+    if isinstance(view, np.ndarray):
+        return "cpu", view.ctypes.data, view.ctypes.data + view.nbytes
+    start = view.data_ptr()
+    return str(view.device), start, start + view.numel() * view.element_size()
