@@ -59,6 +59,9 @@ def add_parser(sub: Any) -> None:
     suites.add_parser("transport", help="loopback throughput of one stream of large chunks: "
                       "aiohttp vs framed TCP vs the weighthub chunk server",
                       add_arguments=_transport_arguments)
+    suites.add_parser("gpu", help="the device backend on Llama-3-8B-shaped bf16 states: copy, "
+                      "scan and digest GB/s, publish and receive times, device memory",
+                      add_arguments=_gpu_arguments)
 
 
 def _shaped_arguments(p: argparse.ArgumentParser) -> None:
@@ -81,6 +84,13 @@ def _transport_arguments(p: argparse.ArgumentParser) -> None:
 
     bench_transport.add_arguments(p)
     p.set_defaults(func=bench_transport.cmd_transport)
+
+
+def _gpu_arguments(p: argparse.ArgumentParser) -> None:
+    from . import gpu
+
+    gpu.add_arguments(p)
+    p.set_defaults(func=gpu.cmd_gpu)
 
 
 def _progress(t0: float) -> runner.Progress:
