@@ -17,6 +17,7 @@ from test_rollback import publish_chain as rollback_chain
 import weighthub.receive.apply as apply_mod
 import weighthub.receive.device as device_mod
 from weighthub import catalog
+from weighthub.digest import digest_sub, lanes_digest
 from weighthub.errors import ApplyError, BaseMismatch, ChecksumError, FormatError, IntegrityError
 from weighthub.format import encode_manifest
 from weighthub.publish import ENCODE_PROFILES, Publisher
@@ -341,3 +342,42 @@ def test_publish_and_receive_on_cuda(profile: str) -> None:
         rx.sync(v)
         assert all(t.is_cuda for t in target.state.values())
         assert same_bits({n: t.cpu() for n, t in target.state.items()}, state), v
+
+
+@pytest.mark.parametrize("name", ["F8_E4M3", "BF16", "F32", "F64"])
+@pytest.mark.parametrize("op", ["xor", "add", "overwrite"])
+def test_wide_values_narrowed_for_the_upload_apply_as_the_host_kernels(name: str, op: str) -> None:
+    """Values are uploaded in their low B + 1 bits (int32 for B ≤ 16): any varint a stream may
+    carry, 64-bit ones included, still gives the host kernels' words."""
+    from weighthub.codec import Op, Positions, Segment, UndoLog, Values, apply_segment
+    from weighthub.codec.kernels import encode_gaps, encode_varints
+    from weighthub.tensors import DTYPE_BY_NAME
+
+    dtype = DTYPE_BY_NAME[name]
+    rng = np.random.default_rng(7)
+    n, count = 5000, 700
+    base = rng.integers(0, 1 << 62, n, dtype=np.uint64).astype(dtype.uint)
+    pos = np.sort(rng.choice(n, count, replace=False)).astype(np.int64)
+    z = rng.integers(0, 1 << 63, count, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    gaps, vals = np.empty(10 * count + 16, np.uint8), np.empty(10 * count + 16, np.uint8)
+    glen, vlen = encode_gaps(pos, count, gaps), encode_varints(z, count, vals)
+    coding = {"xor": (Op.XOR, Values.VARINT), "add": (Op.ADD, Values.ZIGZAG)}
+    if op == "overwrite":  # raw words: the width's bytes each
+        seg = Segment(0, 0, n, Op.OVERWRITE, Positions.GAPS, Values.RAW, count, gaps[:glen],
+                      (z.astype(dtype.uint)).view(np.uint8))
+    else:
+        seg = Segment(0, 0, n, coding[op][0], Positions.GAPS, coding[op][1], count, gaps[:glen],
+                      vals[:vlen])
+    host = base.copy()
+    dnew, dold = np.zeros(2, np.uint64), np.zeros(2, np.uint64)
+    apply_segment(seg, host, dtype, UndoLog(), "host", dnew=dnew, dold=dold)
+    words = torch.from_numpy(base.view({1: "u1", 2: "i2", 4: "i4", 8: "i8"}[dtype.width]).copy())
+    dseg = device_mod.decode_segment(seg, words, dtype, "device", held=True)
+    undo = UndoLog()
+    lanes = device_mod.apply_segment(dseg, words, dtype, undo, inverse=False, fold=True,
+                                     where="device")
+    assert np.array_equal(words.numpy().view(dtype.uint), host)
+    assert device_mod.lanes_to_digests([lanes]) == [digest_sub(lanes_digest(dnew),
+                                                               lanes_digest(dold))]
+    undo.rollback()
+    assert np.array_equal(words.numpy().view(dtype.uint), base)

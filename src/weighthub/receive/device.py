@@ -44,11 +44,18 @@ from ..tensors import DType, readonly
 class DeviceSegment:
     """A segment decoded for the device: what to write where, already checked.
 
-    pos: changed positions in [0, numel) (int64, increasing), None for dense.
-    z: the values as coded (uint64 held as int64: XOR, zigzag difference or raw word), or for
-        dense the new words (the dtype's torch word view).
+    pos: changed positions in [0, numel) (increasing; int32 where numel ≤ 2^31, as for every
+        segment of the default chunk spans), None for dense.
+    z: the values as coded (XOR, zigzag difference or raw word; int32 holding their low
+        B + 1 bits for words of B ≤ 16 bits, which is all `codec.device.combine` reads of them,
+        int64 holding the uint64 otherwise), or for dense the new words (the dtype's torch
+        word view).
     Both are host tensors, in pinned memory when decoded for a CUDA target (the pause's copies
-    to the device then run asynchronously).
+    to the device then run asynchronously): 8 bytes a change for bf16, where int64 positions
+    and values would be 16, and the copy up is the pause's largest cost after the scatter.
+    old_lanes: Σ mix(i, held word) over what the segment rewrites (int64[2] on the device),
+        when it was decoded against the held words while staging; the pause then folds only
+        the new words' half of the digest change.
     """
 
     tensor: int
@@ -57,6 +64,7 @@ class DeviceSegment:
     op: Op
     pos: torch.Tensor | None
     z: torch.Tensor
+    old_lanes: torch.Tensor | None = None
 
     @property
     def numel(self) -> int:
@@ -78,12 +86,12 @@ class DeviceUndo:
         if self.pos is None:
             self.dst.copy_(old)
         else:
-            D.restore(self.dst, self.pos.to(self.dst.device, non_blocking=True), old)
+            D.restore(self.dst, self.pos.to(self.dst.device, torch.int64, non_blocking=True), old)
 
     @property
     def nbytes(self) -> int:
         n = self.old.numel() * self.old.element_size()
-        return n + (0 if self.pos is None else self.pos.numel() * 8)
+        return n + (0 if self.pos is None else self.pos.numel() * self.pos.element_size())
 
 
 def _saved(words: torch.Tensor) -> torch.Tensor:
@@ -95,7 +103,7 @@ def _saved(words: torch.Tensor) -> torch.Tensor:
 
 
 def decode_segment(seg: Segment, base: torch.Tensor | None, dtype: DType, where: str, *,
-                   pinned: bool = False) -> DeviceSegment:
+                   pinned: bool = False, held: bool = False) -> DeviceSegment:
     """Check and decode `seg` into arrays for the device (see the module doc).
 
     Args:
@@ -103,6 +111,8 @@ def decode_segment(seg: Segment, base: torch.Tensor | None, dtype: DType, where:
             and context-coded positions; None where the caller has none (then such a segment is
             refused).
         pinned: decode into pinned host memory (for a CUDA target).
+        held: `base` holds the words the segment will rewrite (the route's first step, staged):
+            sum their digest lanes now (`old_lanes`), off the pause.
 
     Raises:
         FormatError: a coding the format forbids, a count outside the range, or corrupt streams.
@@ -126,20 +136,21 @@ def decode_segment(seg: Segment, base: torch.Tensor | None, dtype: DType, where:
     if seg.positions == Positions.CTX:
         check_ctx_count(seg, where)  # before anything the count sizes is allocated
     count, width = seg.count, dtype.width
-    zt = _host(count, torch.int64, pinned)
-    z = zt.numpy().view(np.uint64)
-    if seg.positions == Positions.GAPS:
-        pt = _host(count, torch.int64, pinned)
-        check_status(int(K.decode_gap_stream(readonly(seg.pos_bytes), int(seg.values),
-                                             readonly(seg.val_bytes), count, n, width,
-                                             pt.numpy(), z)), where)
-        return DeviceSegment(seg.tensor, seg.start, seg.stop, seg.op, pt, zt)
-    if seg.positions == Positions.BITMAP:
-        pt = _host(count, torch.int64, pinned)
-        pt.numpy()[:] = bitmap_positions(seg, where)
-        check_status(int(K.decode_value_stream(int(seg.values), readonly(seg.val_bytes), count,
-                                               width, z)), where)
-        return DeviceSegment(seg.tensor, seg.start, seg.stop, seg.op, pt, zt)
+    z = np.empty(count, np.uint64)
+    if seg.positions in (Positions.GAPS, Positions.BITMAP):
+        if seg.positions == Positions.GAPS:
+            pos = np.empty(count, np.int64)
+            check_status(int(K.decode_gap_stream(readonly(seg.pos_bytes), int(seg.values),
+                                                 readonly(seg.val_bytes), count, n, width, pos,
+                                                 z)), where)
+        else:
+            pos = bitmap_positions(seg, where)
+            check_status(int(K.decode_value_stream(int(seg.values), readonly(seg.val_bytes),
+                                                   count, width, z)), where)
+        pt = _compact_positions(pos, n, pinned)
+        old_lanes = _held_lanes(base, pt, seg.start) if held else None
+        return DeviceSegment(seg.tensor, seg.start, seg.stop, seg.op, pt,
+                             _compact_values(z, dtype, pinned), old_lanes)
     if base is None or base.numel() != n:
         raise UsageError(f"{where}: {seg.positions.name.lower()} positions need the range's "
                          f"{n} base words on the device"
@@ -170,13 +181,48 @@ def decode_segment(seg: Segment, base: torch.Tensor | None, dtype: DType, where:
     # grouped segment are in it): the sorted positions come back to the host, so that staged
     # versions hold no device memory until the pause
     placed, order = torch.sort(placed)
-    pt = _host(count, torch.int64, pinned)
+    old_lanes = _held_lanes(base, placed, seg.start) if held else None
+    pt = _host(count, _position_type(n), pinned)
     pt.copy_(placed)
     if group_major_values:
-        zt = zt[order.cpu()]
-        if pinned:
-            zt = zt.pin_memory()
-    return DeviceSegment(seg.tensor, seg.start, seg.stop, seg.op, pt, zt)
+        z = z[order.cpu().numpy()]
+    return DeviceSegment(seg.tensor, seg.start, seg.stop, seg.op, pt,
+                         _compact_values(z, dtype, pinned), old_lanes)
+
+
+def _position_type(n: int) -> torch.dtype:
+    """int32 for the positions of a segment of n elements where they fit (every segment of the
+    default chunk spans, 16-32 MiB: half the bytes to copy up), else int64."""
+    return torch.int32 if n <= 1 << 31 else torch.int64
+
+
+def _compact_positions(pos: np.ndarray, n: int, pinned: bool) -> torch.Tensor:
+    """int64 positions in a segment of n elements as host memory of `_position_type(n)`."""
+    out = _host(pos.size, _position_type(n), pinned)
+    out.numpy()[:] = pos
+    return out
+
+
+def _compact_values(z: np.ndarray, dtype: DType, pinned: bool) -> torch.Tensor:
+    """Decoded values as the pause uploads them: for words of B ≤ 16 bits, their low B + 1 bits
+    in int32 (xor and overwrite keep the low B bits of z, add and sub the low B + 1 of a zigzag
+    value: `codec.device.combine`), else the uint64 values as int64."""
+    bits = 8 * dtype.width
+    if bits > 16:
+        out = _host(z.size, torch.int64, pinned)
+        out.numpy().view(np.uint64)[:] = z
+        return out
+    out = _host(z.size, torch.int32, pinned)
+    out.numpy()[:] = z & np.uint64((1 << (bits + 1)) - 1)
+    return out
+
+
+def _held_lanes(base: torch.Tensor | None, pos: torch.Tensor, start: int) -> torch.Tensor | None:
+    """Σ mix(start + p, base[p]) over positions `pos` (host or device), on base's device."""
+    if base is None:
+        return None
+    dpos = pos.to(base.device, non_blocking=True)
+    return digest_device.lanes_at(base[dpos], dpos, start)
 
 
 def apply_segment(dseg: DeviceSegment, dst: torch.Tensor, dtype: DType, undo: UndoLog, *,
@@ -213,13 +259,15 @@ def apply_segment(dseg: DeviceSegment, dst: torch.Tensor, dtype: DType, undo: Un
                               "inversely (only xor/add with gaps or bitmap positions can)")
         op = D.OP_SUB if dseg.op == Op.ADD else op
     pos = dseg.pos.to(dst.device, non_blocking=True)
-    z = dseg.z.to(dst.device, non_blocking=True)
+    z = dseg.z.to(dst.device, non_blocking=True).to(torch.int64)
     old = dst[pos]
     undo.entries.append(DeviceUndo(dst, dseg.pos, _saved(old)))
     new = D.combine(old, z, op, 8 * dtype.width)
     dst.index_put_((pos,), new)
     if not fold:
         return None
+    if dseg.old_lanes is not None:  # the held words' half was summed while staging
+        return digest_device.lanes_at(new, pos, dseg.start) - dseg.old_lanes
     return digest_device.lanes_change(pos, old, new, dseg.start)
 
 

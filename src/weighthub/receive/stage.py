@@ -165,9 +165,8 @@ def device_decoded(seg: Segment, specs: list[TensorSpec], views: Mapping[str, Wo
         return None
     if seg.op == Op.DENSE:  # its words are the frame's bytes: copied up in the pause (a staged
         return None  # full version would otherwise sit in host memory twice)
-    base = view[seg.start: seg.stop] if seg.positions in (Positions.GROUPS, Positions.CTX) \
-        else None
-    return decode_segment(seg, base, spec.dtype, where, pinned=view.is_cuda)
+    return decode_segment(seg, view[seg.start: seg.stop], spec.dtype, where,
+                          pinned=view.is_cuda, held=True)
 
 
 def _host_base(views: Mapping[str, Words], spec: TensorSpec) -> np.ndarray | None:
