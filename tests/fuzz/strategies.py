@@ -148,7 +148,7 @@ def _set_field(frame: bytes, layout: struct.Struct, offset: int, field: int, val
     vals = list(layout.unpack_from(frame, offset))
     field %= len(vals)
     if isinstance(vals[field], bytes):
-        vals[field] = value.to_bytes(8, "little")[:4]
+        vals[field] = (value % (1 << 64)).to_bytes(8, "little")[:4]  # ints reach 2^64
     else:
         width = struct.calcsize("<" + layout.format.lstrip("<")[field])
         vals[field] = value % (1 << (8 * width))
