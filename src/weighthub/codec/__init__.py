@@ -7,6 +7,9 @@
     apply.py    apply in place (forwards or inversely), regap grouped positions
     digest.py   the digest of the words a segment will rewrite (staged before the pause)
     kernels.py  the numba loops of all of the above
+    device.py, device_groups.py, device_words.py
+                the device kernels in torch (scan, group ranks and placement, sparse apply)
+    device_encode.py  the encoder's device backend: scan on the device, code on the host
 
 The codings load with the package; the rest on first use of one of their names: manifests name
 codings, and reading them (as `weighthub inspect` does) must not pay numba's import (about a

@@ -6,8 +6,9 @@
     linear.py   the public digest math on host words: whole tensors, affine shards, changes
     sums.py     digest values and their algebra (16 bytes: two u64 lanes), no numba
     root.py     the root digest over a version's tensor table
-
-Device (CUDA) kernels will sit beside the host ones and must produce the same bytes.
+    blocks.py   placing a block of words in canonical space (shared by host and device)
+    device.py   the same digests in torch ops, on the words' own device (CUDA), same bytes
+    words.py    a target's words digested where they live (host numpy or torch views)
 
 `sums` and `root` load with the package; `linear` (numba) on first use of one of its names, so
 that reading manifests (`weighthub inspect`) does not pay numba's import.

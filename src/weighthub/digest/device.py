@@ -34,6 +34,7 @@ import torch
 
 from ..errors import UsageError
 from ..tensors import dtype_of
+from .blocks import c_strides, coalesce
 from .sums import lanes_digest
 
 SLICE = 1 << 22  # elements per chunk: bounds the scratch memory (see the module docstring)
@@ -162,25 +163,6 @@ def _fold(words: torch.Tensor, k0: torch.Tensor, k1: torch.Tensor, scratch: _Scr
     return torch.stack((s0, s1))
 
 
-def _coalesce(shape: tuple[int, ...], mem: tuple[int, ...], canon: tuple[int, ...]
-              ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """Drop unit dims and merge neighbours that are contiguous in memory and in canonical space
-    (as digest.linear does): a contiguous tensor becomes one run, chunked without copies."""
-    dims = [(n, m, c) for n, m, c in zip(shape, mem, canon, strict=True) if n != 1]
-    merged: list[tuple[int, int, int]] = []
-    for n, m, c in dims:
-        if merged:
-            pn, pm, pc = merged[-1]
-            if pm == n * m and pc == n * c:
-                merged[-1] = (pn * n, m, c)
-                continue
-        merged.append((n, m, c))
-    if not merged:
-        return (1,), (1,), (1,)
-    return (tuple(d[0] for d in merged), tuple(d[1] for d in merged),
-            tuple(d[2] for d in merged))
-
-
 def _inner_offsets(shape: tuple[int, ...], canon: tuple[int, ...], device: torch.device
                    ) -> torch.Tensor:
     """Σ_j a_j·canon[j] (mod 2^64) for every element a of a block of this shape, row-major."""
@@ -252,7 +234,7 @@ def lanes_affine(words: torch.Tensor, first: int, strides: tuple[int, ...]) -> t
     w = as_words(words)
     if w.numel() == 0:
         return torch.zeros(2, dtype=torch.int64, device=w.device)
-    shape, mem, canon = _coalesce(tuple(w.shape), tuple(w.stride()),
+    shape, mem, canon = coalesce(tuple(w.shape), tuple(w.stride()),
                                   tuple(int(s) for s in strides))
     w = torch.as_strided(w, shape, mem)  # same memory (and offset), merged dims
     return _block(w, int(first) + 1, canon, _Scratch(w.device))
@@ -364,14 +346,6 @@ def lanes_bytes(lanes: torch.Tensor) -> bytes:
     return lanes_digest(lanes.detach().cpu().numpy().view(np.uint64))
 
 
-def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, acc = [], 1
-    for d in reversed(shape):
-        out.append(acc)
-        acc *= d
-    return tuple(reversed(out))
-
-
 def tensor_digest(t: torch.Tensor) -> bytes:
     """The linear digest of a whole tensor's canonical (row-major) bits, on its own device.
 
@@ -382,7 +356,7 @@ def tensor_digest(t: torch.Tensor) -> bytes:
         UsageError: for a dtype weighthub does not carry (`tensors.dtype_of`).
     """
     dtype_of(t)
-    return lanes_bytes(lanes_affine(t, 0, _c_strides(tuple(t.shape))))
+    return lanes_bytes(lanes_affine(t, 0, c_strides(tuple(t.shape))))
 
 
 def digest_affine(words: torch.Tensor, first: int, strides: tuple[int, ...]) -> bytes:

@@ -16,6 +16,7 @@ import numpy as np
 from ..errors import UsageError
 from ..tensors import bits, readonly
 from . import kernels as DK
+from .blocks import c_strides, coalesce
 from .sums import lanes_digest
 
 if TYPE_CHECKING:
@@ -62,15 +63,7 @@ def digest_bits(b: np.ndarray, *, threads: int = 2) -> bytes:
     `b` may be any shape (read row-major) and any integer or float dtype of width 1/2/4/8
     (its bits are what count). Large arrays are split across `threads` threads (≤ 2).
     """
-    return digest_affine(b, 0, _c_strides(b.shape), threads=threads)
-
-
-def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, acc = [], 1
-    for d in reversed(shape):
-        out.append(acc)
-        acc *= d
-    return tuple(reversed(out))
+    return digest_affine(b, 0, c_strides(b.shape), threads=threads)
 
 
 def digest_affine(words: np.ndarray, first: int, strides: tuple[int, ...], *,
@@ -87,7 +80,7 @@ def digest_affine(words: np.ndarray, first: int, strides: tuple[int, ...], *,
     if len(strides) != words.ndim:
         raise UsageError(f"digest_affine: {len(strides)} strides for a {words.ndim}-D block")
     w = as_words(words)
-    shape, mem, canon = _coalesce(w.shape, w.strides, tuple(int(s) for s in strides))
+    shape, mem, canon = coalesce(w.shape, w.strides, tuple(int(s) for s in strides))
     w = np.lib.stride_tricks.as_strided(w, shape, mem, writeable=False)  # same memory, merged dims
     jobs: list[_Job] = []
     if len(shape) <= 2:
@@ -150,26 +143,6 @@ def _halves(job: _Job) -> list[_Job]:
         h = cols // 2
         return [(w2[:, :h], first, rs, cs), (w2[:, h:], first + h * cs, rs, cs)]
     return [job]
-
-
-def _coalesce(shape: tuple[int, ...], mem: tuple[int, ...], canon: tuple[int, ...]
-              ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """Drop unit dims and merge neighbours that are contiguous in memory and in canonical space."""
-    if 0 in shape:
-        return (0,), (1,), (1,)
-    dims = [(n, m, c) for n, m, c in zip(shape, mem, canon, strict=True) if n != 1]
-    merged: list[tuple[int, int, int]] = []
-    for n, m, c in dims:
-        if merged:
-            pn, pm, pc = merged[-1]
-            if pm == n * m and pc == n * c:
-                merged[-1] = (pn * n, m, c)
-                continue
-        merged.append((n, m, c))
-    if not merged:
-        return (1,), (1,), (1,)
-    return (tuple(d[0] for d in merged), tuple(d[1] for d in merged),
-            tuple(d[2] for d in merged))
 
 
 def digest_change(index: np.ndarray, old_words: np.ndarray, new_words: np.ndarray, *,
