@@ -10,6 +10,11 @@
     commit   the target records the new version; or, on any failure anywhere in apply/verify,
              roll back exactly to the previous committed version and raise            (engine)
 
+Where a target's tensor lives decides who applies it (DESIGN v2 "Backend"): host numpy words
+go to the numba kernels (`codec.apply`), torch word views on a device to `receive.device`
+(decoded on the host while staging, applied and digested on the device in the pause); both
+leave the same bits, and a target may mix them.
+
 `engine.transact` is the one code path that opens a target, applies, verifies and commits or
 rolls back. Its inputs are `Step`s of decoded chunks (`inputs`): a store route staged by the
 `Receiver` (the facade: `sync`, or `stage` + `apply`), an elastic join's dense tensors from
