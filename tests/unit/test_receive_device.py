@@ -381,3 +381,20 @@ def test_wide_values_narrowed_for_the_upload_apply_as_the_host_kernels(name: str
                                                                lanes_digest(dold))]
     undo.rollback()
     assert np.array_equal(words.numpy().view(dtype.uint), base)
+
+
+def test_torch_views_that_partly_share_memory_are_refused() -> None:
+    """The device path folds digests from what it writes, as the host kernels do: views that
+    partly overlap are refused before anything is written; exact aliases (tied) pass."""
+    from weighthub.errors import PlacementError
+    from weighthub.targets.base import unique_views
+
+    buf = torch.zeros(100, dtype=torch.int16)
+    ok = {"a": buf[:50], "b": buf[50:], "tied": buf[:50], "host": np.zeros(8, np.uint16)}
+    apply_mod.check_disjoint(ok, unique_views(ok))
+    bad = {"a": buf[:60], "b": buf[50:]}
+    with pytest.raises(PlacementError, match="partly share memory"):
+        apply_mod.check_disjoint(bad, unique_views(bad))
+    mixed = {"a": buf[:60], "b": buf.numpy()[50:].view(np.uint16)}  # a host view of the same
+    with pytest.raises(PlacementError, match="partly share memory"):
+        apply_mod.check_disjoint(mixed, unique_views(mixed))
