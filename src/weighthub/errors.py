@@ -27,6 +27,8 @@ zstd errors, …) are mapped once, at the seam where they happen (`raise X(...) 
     │                           wait ran out); nothing was changed: retry later
     ├── PlacementError          a serving engine's loader or a shard layout does not place the
     │                           canonical tensors as declared (gaps, overlaps, renamed/skipped)
+    ├── AttestationError        rollouts whose policy the trainer cannot vouch for: unattested,
+    │                           not published by it, too stale, or weights drifted under it
     └── NetError                a peer, relay or hub failed
         ├── AuthError           a request without a valid token was refused (or ours was)
         └── PeerUnavailable     a peer/hub cannot serve what was asked
@@ -123,6 +125,10 @@ class TargetBusy(WeighthubError):
 
 class PlacementError(WeighthubError):
     """A loader or shard layout does not place the canonical tensors as declared."""
+
+
+class AttestationError(WeighthubError):
+    """Rollouts from a policy the trainer did not publish (or too stale, or drifted): refused."""
 
 
 class NetError(WeighthubError):

@@ -21,8 +21,10 @@ Only small values cross the RPC boundary (a store URL, a version, a dict of resu
 back as {"error": class name, "message": ...} and `bind`/`stage`/`refit` re-raise them as the same
 weighthub error class on the driver.
 
-Limitations: ranks of a tensor-parallel group commit independently (no prepare/commit vote
-yet); `stage` is itself an RPC that runs on the worker's thread, so the engine does not step
+The ranks of a tensor-parallel engine commit a version together (`refit` runs the commit vote
+of `engines.vote`): all of them, or none.
+
+Limitations: `stage` is itself an RPC that runs on the worker's thread, so the engine does not step
 while it runs either: it moves the fetch out of the refit (schedule it between generate calls,
 e.g. while the trainer is still busy), it does not overlap it with generation; a refit without
 a staged version stages inline (`stage_s` vs `pause_s` in the result); the mirror costs one host copy of the
@@ -33,17 +35,20 @@ restore is tested with a loader that fails between tensors).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
-from .. import catalog, errors
+from .. import errors
+from ..cluster.peers import HolderSource
 from ..digest import digest_bits
-from ..errors import BaseMismatch, UsageError, WeighthubError
+from ..errors import UsageError, WeighthubError
+from ..net.auth import MIN_SECRET_BYTES
 from ..receive import Receiver, Staged
-from ..sources.staging import host_sources
+from ..sources import ChunkSource, SourceList, StoreSource
+from ..sources.staging import StagingSource
 from ..store import Store, open_store
 from ..targets.base import Held, TargetWrapper
 from ..targets.safetensors_file import load_checkpoint
@@ -51,6 +56,11 @@ from ..targets.state_dict import StateDictTarget
 from ..targets.vllm_engine import EnginePlacement, PushReport
 from ..targets.vllm_placement import Group, expand
 from ..tensors import bits
+from .vllm_checks import check_same_bits, digests_of, find_version
+from .vllm_driver import bind, refit, stage
+from .vote import FAILED, Vote
+
+__all__ = ["EXTENSION", "WeighthubWorker", "bind", "refit", "stage"]
 
 EXTENSION = "weighthub.engines.vllm.WeighthubWorker"
 
@@ -68,12 +78,15 @@ class _EngineTarget(TargetWrapper):
         self.digests = digests  # per-tensor digests of the committed version (from its manifest)
         self.report = PushReport()
         self._pushed: list[Group] = []
+        self.vote: Vote | None = None  # a TP commit vote this transaction takes part in
 
     def commit(self, held: Held) -> None:
-        new = _digests_of(self.store, held.version)
+        new = digests_of(self.store, held.version)
         changed = [n for n, d in new.items() if self.digests.get(n) != d]
         self._pushed = expand(changed, self.placement.groups)  # before pushing: abort restores
         self.report = self.placement.push(changed, self.mirror.state)
+        if self.vote is not None:  # every rank pushed and verified: commit together or abort
+            self.vote.reached_commit()
         self.mirror.commit(held)
         self.digests = new
         self._pushed = []
@@ -101,7 +114,8 @@ class WeighthubWorker:
 
     _weighthub: tuple[Receiver, _EngineTarget]
     _wh_staged: tuple[str | None, Receiver, Staged] | None  # (store_url asked for, by, staged)
-    _wh_stage_dir: str | None  # the host staging cache given to bind (None: none)
+    _wh_sources: tuple[str | None, tuple[str, ...], bytes]  # bind's stage_dir, peers, secret
+    _wh_vote: Vote | None  # the refit prepared by weighthub_prepare, awaiting its decision
 
     # vLLM's Worker provides these; declared for the type checker only
     model_runner: Any
@@ -111,7 +125,8 @@ class WeighthubWorker:
         def reload_weights(self, *, weights_iterator: Any) -> None: ...
 
     def weighthub_bind(self, store_url: str, version: int | None = None, xor: bool = True,
-                       stage_dir: str | None = None) -> dict[str, Any]:
+                       stage_dir: str | None = None, peers: tuple[str, ...] = (),
+                       secret: bytes = b"") -> dict[str, Any]:
         """Adopt `version` of the store as what the engine serves.
 
         The engine must serve exactly that version's bits: at first bind, the safetensors
@@ -121,8 +136,11 @@ class WeighthubWorker:
         reads every canonical tensor (and times a full reload for comparison); it writes the
         bits the engine already holds. `stage_dir`: a host staging cache shared by the workers
         on this host (`sources.staging`), so each chunk is fetched from the store once per host.
+        `peers`: chunk servers asked before the store (e.g. this host's node daemon, which the
+        relay tree feeds), with the group's shared `secret`; one that fails is benched and the
+        store serves instead.
         """
-        return _rpc(lambda: self._wh_bind(store_url, version, xor, stage_dir))
+        return _rpc(lambda: self._wh_bind(store_url, version, xor, stage_dir, tuple(peers), secret))
 
     def weighthub_stage(self, version: int | None = None,
                         store_url: str | None = None) -> dict[str, Any]:
@@ -143,9 +161,40 @@ class WeighthubWorker:
         """
         return _rpc(lambda: self._wh_refit(version, store_url))
 
+    def weighthub_prepare(self, version: int | None = None, store_url: str | None = None,
+                          timeout_s: float = 60.0) -> dict[str, Any]:
+        """The commit vote's first phase (`engines.vote`): a refit as `weighthub_refit` that
+        holds its commit open until `weighthub_decide` (or aborts after `timeout_s`). Returns
+        {"state": prepared | done | failed, "error"?, "message"?}."""
+        return _rpc(lambda: self._wh_prepare(version, store_url, timeout_s))
+
+    def weighthub_decide(self, commit: bool) -> dict[str, Any]:
+        """The vote's second phase: commit (or abort) the prepared refit; its result."""
+        return _rpc(lambda: self._wh_decide(commit))
+
     def weighthub_full_reload(self) -> dict[str, Any]:
         """Reload every tensor from the mirror through vLLM's loader (the baseline to beat)."""
         return _rpc(lambda: self._wh_full_reload())
+
+    def weighthub_held(self) -> dict[str, Any]:
+        """The committed version the engine serves: {store, model, version, root}, read from the
+        receiver's target (what the last commit recorded), for attesting rollouts."""
+        return _rpc(lambda: self._wh_held())
+
+    def weighthub_audit(self) -> dict[str, Any]:
+        """Digest every parameter the engine holds as a plain copy (read back from the engine,
+        not the mirror) against the committed version's manifest: `mismatched` names those
+        whose bits changed outside weighthub. Repacked parameters cannot be read back (`checked`
+        counts what could)."""
+        return _rpc(lambda: self._wh_audit())
+
+    def weighthub_load_state(self, state: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """The usual route, as a baseline: every tensor of a full state through vLLM's loader.
+
+        `state` must be the committed version's bits (checked by digest first, untimed), so the
+        engine and its mirror stay one version; tensors cross `collective_rpc` by value, so use
+        it with an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) or pay the pickling."""
+        return _rpc(lambda: self._wh_load_state(state))
 
     def weighthub_digests(self) -> dict[str, Any]:
         """Digests of the canonical view: read back from the engine where its parameter is a
@@ -153,8 +202,8 @@ class WeighthubWorker:
         return _rpc(lambda: self._wh_digests())
 
     # -- implementation -------------------------------------------------------------------------
-    def _wh_bind(self, store_url: str, version: int | None, xor: bool,
-                 stage_dir: str | None) -> dict[str, Any]:
+    def _wh_bind(self, store_url: str, version: int | None, xor: bool, stage_dir: str | None,
+                 peers: tuple[str, ...], secret: bytes) -> dict[str, Any]:
         store = open_store(store_url)
         bound = getattr(self, "_weighthub", None)
         path = self.vllm_config.model_config.model
@@ -162,10 +211,13 @@ class WeighthubWorker:
         serving, what = ((bound[1].mirror.state, f"the engine (serving version {bound[0].version})")
                          if bound else (load_checkpoint(path), f"the engine's checkpoint {path}"))
         if version is None:
-            version = _find_version(store, serving, what)
+            version = find_version(store, serving, what)
         mirror = StateDictTarget({})
-        self._wh_stage_dir = stage_dir
-        sources = host_sources(store, stage_dir)
+        if peers and len(secret) < MIN_SECRET_BYTES:
+            raise UsageError(f"peers {list(peers)[:3]} need the group's shared secret (at least "
+                             f"{MIN_SECRET_BYTES} bytes), got {len(secret)} bytes")
+        self._wh_sources = (stage_dir, peers, secret)
+        sources = self._wh_sources_for(store)
         Receiver(store, mirror, sources=sources).sync(version)  # fetched and verified by digest
         held = mirror.held()
         if held is None:  # pragma: no cover - sync either commits or raises
@@ -173,13 +225,13 @@ class WeighthubWorker:
         # placement rules first: a renamed tensor or a partial fused group is named as such
         placement = EnginePlacement(self.model_runner.model, self._wh_reload, sorted(mirror.state),
                                     xor=xor)
-        _check_same_bits(serving, mirror.state, what, f"version {held.version} of {store_url}")
+        check_same_bits(serving, mirror.state, what, f"version {held.version} of {store_url}")
         placement.verify(sorted(mirror.state), mirror.state)  # what it serves is that version
         t0 = time.perf_counter()
         placement.overwrite(sorted(set(placement.groups.values()), key=lambda g: g.module),
                             mirror.state)
         full_s = time.perf_counter() - t0
-        target = _EngineTarget(mirror, placement, store, _digests_of(store, held.version))
+        target = _EngineTarget(mirror, placement, store, digests_of(store, held.version))
         self._weighthub = (Receiver(store, target, sources=sources), target)
         self._wh_staged = None  # staged against the previous binding's target
         return {"version": held.version, "root": held.root, "full_reload_s": full_s,
@@ -189,7 +241,7 @@ class WeighthubWorker:
         receiver, target = self._wh_bound()
         if store_url is not None:
             store = open_store(store_url)
-            receiver = Receiver(store, target, sources=host_sources(store, self._wh_stage_dir))
+            receiver = Receiver(store, target, sources=self._wh_sources_for(store))
         return receiver, target
 
     def _wh_stage(self, version: int | None, store_url: str | None) -> dict[str, Any]:
@@ -199,7 +251,7 @@ class WeighthubWorker:
         self._wh_staged = (store_url, receiver, staged)
         return {"version": staged.version, "from_version": staged.from_version,
                 "route": list(staged.route), "bytes_fetched": staged.bytes_fetched,
-                "stage_s": staged.stage_seconds}
+                "stage_s": staged.stage_seconds, "served": dict(receiver.sources.served)}
 
     def _wh_refit(self, version: int | None, store_url: str | None) -> dict[str, Any]:
         pending, self._wh_staged = getattr(self, "_wh_staged", None), None
@@ -220,7 +272,35 @@ class WeighthubWorker:
                 "stage_s": result.stage_seconds, "pause_s": result.pause_seconds,
                 "mirror_apply_s": result.apply_seconds,
                 "mirror_pause_s": result.pause_seconds,
-                "engine_s": report.seconds, **report.to_dict()}
+                "engine_s": report.seconds, "served": dict(receiver.sources.served),
+                **report.to_dict()}
+
+    def _wh_prepare(self, version: int | None, store_url: str | None,
+                    timeout_s: float) -> dict[str, Any]:
+        _receiver, target = self._wh_bound()
+        if getattr(self, "_wh_vote", None) is not None:  # an earlier vote never decided
+            with contextlib.suppress(WeighthubError):
+                self._wh_decide(False)
+        vote = Vote(timeout_s)
+        target.vote = vote
+        self._wh_vote = vote
+        vote.start(lambda: self._wh_refit(version, store_url))
+        state = vote.wait_ready()
+        error = vote.error
+        if state == FAILED and isinstance(error, WeighthubError):
+            return {"state": state, "error": type(error).__name__, "message": str(error)}
+        if state == FAILED:
+            return {"state": state, "error": "ApplyError", "message": f"{type(error).__name__}: {error}"}
+        return {"state": state}
+
+    def _wh_decide(self, commit: bool) -> dict[str, Any]:
+        vote, self._wh_vote = getattr(self, "_wh_vote", None), None
+        if vote is None:
+            raise UsageError("no refit is prepared on this worker: call weighthub_prepare first")
+        try:
+            return vote.decide(commit)
+        finally:
+            self._wh_bound()[1].vote = None
 
     def _wh_full_reload(self) -> dict[str, Any]:
         _receiver, target = self._wh_bound()
@@ -228,6 +308,47 @@ class WeighthubWorker:
         t0 = time.perf_counter()
         target.placement.overwrite(groups, target.mirror.state)
         return {"seconds": time.perf_counter() - t0, "groups": len(groups)}
+
+    def _wh_sources_for(self, store: Store) -> SourceList:
+        """This host's staging cache, then the peers, then `store`."""
+        stage_dir, peers, secret = self._wh_sources
+        sources: list[ChunkSource] = [StoreSource(store)]
+        if peers:
+            sources.insert(0, HolderSource(lambda _ref: peers, secret, name="node daemons"))
+        if stage_dir is not None:
+            sources.insert(0, StagingSource(stage_dir))
+        return SourceList(sources)
+
+    def _wh_held(self) -> dict[str, Any]:
+        _receiver, target = self._wh_bound()
+        held = target.held()
+        if held is None:  # pragma: no cover - a bound engine's mirror holds a committed version
+            raise UsageError("the engine's mirror holds no committed version: bind it again")
+        return {"store": held.store, "model": held.model, "version": held.version, "root": held.root}
+
+    def _wh_audit(self) -> dict[str, Any]:
+        held = self._wh_held()
+        _receiver, target = self._wh_bound()
+        mismatched = []
+        checked = 0
+        for name, t in target.mirror.state.items():
+            view = target.placement.engine_view(name, t)
+            if view is None:
+                continue
+            checked += 1
+            if digest_bits(bits(view)).hex() != target.digests[name]:
+                mismatched.append(name)
+        return held | {"checked": checked, "mismatched": sorted(mismatched)}
+
+    def _wh_load_state(self, state: dict[str, torch.Tensor]) -> dict[str, Any]:
+        _receiver, target = self._wh_bound()
+        check_same_bits(target.mirror.state, state, "the state given",
+                         f"the committed version {target.held()}")
+        groups = sorted(set(target.placement.groups.values()), key=lambda g: g.module)
+        t0 = time.perf_counter()
+        target.placement.overwrite(groups, state)
+        return {"seconds": time.perf_counter() - t0, "groups": len(groups),
+                "bytes": sum(t.numel() * t.element_size() for t in state.values())}
 
     def _wh_digests(self) -> dict[str, Any]:
         receiver, target = self._wh_bound()
@@ -251,38 +372,6 @@ class WeighthubWorker:
         self.reload_weights(weights_iterator=weights)
 
 
-def bind(llm: Any, store_url: str, version: int | None = None, *, xor: bool = True,
-         stage_dir: str | None = None) -> dict[str, Any]:
-    """Bind every worker of `llm` (a vllm.LLM) to a store; returns rank 0's result.
-
-    Raises:
-        The weighthub error a worker raised (BaseMismatch, PlacementError, ...).
-    """
-    return _gather(llm.collective_rpc("weighthub_bind", args=(store_url, version, xor, stage_dir)))
-
-
-def stage(llm: Any, version: int | None = None, *, store_url: str | None = None) -> dict[str, Any]:
-    """Fetch, check and decode `version` (default: latest) on every worker of `llm`, weights
-    untouched, for the next `refit`; returns rank 0's result (`stage_s`, `bytes_fetched`)."""
-    return _gather(llm.collective_rpc("weighthub_stage", args=(version, store_url)))
-
-
-def refit(llm: Any, version: int | None = None, *, store_url: str | None = None) -> dict[str, Any]:
-    """Bring every worker of `llm` to `version` (default: latest; or the staged version, if
-    `stage` staged one); returns rank 0's result (`stage_s`, `pause_s`, `prestaged`, ...)."""
-    return _gather(llm.collective_rpc("weighthub_refit", args=(version, store_url)))
-
-
-def _gather(results: list[dict[str, Any]]) -> dict[str, Any]:
-    for r in results:
-        if "error" in r:
-            cls = getattr(errors, r["error"], WeighthubError)
-            if not (isinstance(cls, type) and issubclass(cls, WeighthubError)):
-                cls = WeighthubError
-            raise cls(r["message"])
-    return results[0]
-
-
 def _rpc(call: Any) -> dict[str, Any]:
     """Run a worker method; weighthub errors come back as data (they pickle as plain dicts)."""
     try:
@@ -290,30 +379,3 @@ def _rpc(call: Any) -> dict[str, Any]:
         return result
     except WeighthubError as exc:
         return {"error": type(exc).__name__, "message": str(exc)}
-
-
-def _find_version(store: Store, state: dict[str, torch.Tensor], what: str) -> int:
-    """The newest committed version whose per-tensor digests are those of `state`."""
-    digests = {n: digest_bits(bits(t)).hex() for n, t in state.items()}
-    versions = catalog.list_versions(store)
-    for v in reversed(versions):
-        if _digests_of(store, v) == digests:
-            return v
-    raise BaseMismatch(f"{what} is none of the {len(versions)} version(s) in {store.url}: no "
-                       "manifest has its digests; start the engine from a published checkpoint")
-
-
-def _digests_of(store: Store, version: int) -> dict[str, str]:
-    return {e.name: e.digest for e in catalog.primary_manifest(store, version).tensors}
-
-
-def _check_same_bits(have: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str,
-                     version: str) -> None:
-    differ = sorted(n for n in set(have) & set(want) if have[n].shape != want[n].shape
-                    or have[n].dtype != want[n].dtype or not np.array_equal(bits(have[n]), bits(want[n])))
-    missing = sorted(set(want) - set(have))
-    extra = sorted(set(have) - set(want))
-    if differ or missing or extra:
-        raise BaseMismatch(f"{what} is not {version}: differs in {differ[:5]}, lacks {missing[:5]}, "
-                           f"has extra {extra[:5]}; start the engine from that version's checkpoint "
-                           "or bind to the version it was started from")

@@ -1,0 +1,39 @@
+"""Checks the vLLM worker extension makes against the store: which version an engine's bits are."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .. import catalog
+from ..digest import digest_bits
+from ..errors import BaseMismatch
+from ..store import Store
+from ..tensors import bits
+
+
+def find_version(store: Store, state: dict[str, torch.Tensor], what: str) -> int:
+    """The newest committed version whose per-tensor digests are those of `state`."""
+    digests = {n: digest_bits(bits(t)).hex() for n, t in state.items()}
+    versions = catalog.list_versions(store)
+    for v in reversed(versions):
+        if digests_of(store, v) == digests:
+            return v
+    raise BaseMismatch(f"{what} is none of the {len(versions)} version(s) in {store.url}: no "
+                       "manifest has its digests; start the engine from a published checkpoint")
+
+
+def digests_of(store: Store, version: int) -> dict[str, str]:
+    return {e.name: e.digest for e in catalog.primary_manifest(store, version).tensors}
+
+
+def check_same_bits(have: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str,
+                     version: str) -> None:
+    differ = sorted(n for n in set(have) & set(want) if have[n].shape != want[n].shape
+                    or have[n].dtype != want[n].dtype or not np.array_equal(bits(have[n]), bits(want[n])))
+    missing = sorted(set(want) - set(have))
+    extra = sorted(set(have) - set(want))
+    if differ or missing or extra:
+        raise BaseMismatch(f"{what} is not {version}: differs in {differ[:5]}, lacks {missing[:5]}, "
+                           f"has extra {extra[:5]}; start the engine from that version's checkpoint "
+                           "or bind to the version it was started from")

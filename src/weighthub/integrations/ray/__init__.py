@@ -1,0 +1,45 @@
+"""weighthub on Ray: a sync group's hub and node daemons as actors; trainer and rollout actors.
+
+    import ray
+    from weighthub.integrations.ray import WeightSync, VLLMRollout
+
+    ray.init()
+    sync = WeightSync.create("s3://bucket/policy")    # hub + one node daemon per Ray node
+    publisher = sync.publisher()                      # trainer: publisher.publish(state_dict)
+    engine = ray.remote(VLLMRollout).options(max_concurrency=2).remote("e0", checkpoint_dir)
+    sync.attach_engine(engine)
+    engine.weighthub_stage.remote(version)            # background, while it generates
+    ray.get(engine.weighthub_refit.remote(version))   # the pause: apply, verify, commit
+    batch = ray.get(engine.generate.remote(prompts, samples=4, max_tokens=32))
+    ledger.check(batch["attestation"])                # the trainer's PolicyLedger
+
+    spec      SyncSpec: the group as a value (or a 0600 JSON file, for a trainer outside Ray)
+    sync      WeightSync: create / connect / publisher / attach_engine / add_nodes / close
+    daemons   the hub and node daemons as Ray actors, restartable at the same address
+    rollout   RolloutEngine (mixin for a rollout actor owning a vllm.LLM) and VLLMRollout
+    attest    Attestation, PolicyLedger, drift
+    tasks     verifiable tasks (arithmetic for SmolLM2; a token task for tiny test models)
+    trainer   GRPOTrainer: fp32 master, clipped GRPO step, bf16 publish, attestation checks
+    loop      GRPOLoop / RLConfig: the end-to-end run and its side-by-side baseline
+    cluster   local_cluster: real raylets on one machine
+    example   `weighthub demo --rl`; options: its command-line options (light to import)
+"""
+
+from typing import TYPE_CHECKING
+
+from ...lazy import lazy_exports
+
+if TYPE_CHECKING:  # the names resolve on first use: the CLI imports `options` without Ray
+    from .attest import Attestation, PolicyLedger, drift
+    from .rollout import RolloutEngine, VLLMRollout
+    from .spec import NodeSpec, SyncSpec
+    from .sync import WeightSync
+
+__getattr__ = lazy_exports(globals(), {
+    "attest": frozenset({"Attestation", "PolicyLedger", "drift"}),
+    "rollout": frozenset({"RolloutEngine", "VLLMRollout"}),
+    "spec": frozenset({"NodeSpec", "SyncSpec"}),
+    "sync": frozenset({"WeightSync"}),
+})
+__all__ = ["Attestation", "NodeSpec", "PolicyLedger", "RolloutEngine", "SyncSpec", "VLLMRollout",
+           "WeightSync", "drift"]

@@ -1,0 +1,159 @@
+"""The hub and the node daemons as Ray actors: today's `serve hub` / `serve node`, in a thread.
+
+Both keep what a restart needs in a directory of their own on their Ray node (the hub's SQLite
+state; each daemon's port), so an actor that Ray restarts after a crash comes back at the same
+address with the same state: nodes and engines keep their clients, and a node daemon re-joins
+its version from holders or the store as `serve node` does after a restart.
+
+A daemon's methods run in the actor's thread; the services run in their own threads, so a slow
+call (waiting for a version) never stops the hub answering or a node relaying.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from ...cluster import hub as hub_server
+from ...cluster.hubclient import HubClient
+from ...cluster.hubcore import HubConfig
+from ...cluster.node import Node, NodeConfig
+from ...cluster.topology import Labels
+from ...errors import PeerTimeout, UsageError
+from ...store import LocalStore, open_store
+from ...targets import StateDictTarget
+
+START_TIMEOUT_S = 30.0
+
+
+def _saved_port(path: Path) -> int:
+    """The port an earlier incarnation of this daemon listened on (0: none yet)."""
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return 0
+
+
+class HubDaemon:
+    """`weighthub serve hub` in a thread of a Ray actor.
+
+    Args:
+        state_dir: the hub's database and port file (kept across restarts).
+        secret: the sync group's shared secret.
+        host: the address to listen on.
+        lease_ttl, retain, degree: as `serve hub` (HubConfig).
+    """
+
+    def __init__(self, state_dir: str, secret: bytes, host: str, *, lease_ttl: float = 10.0,
+                 retain: int = 8, degree: int = 4) -> None:
+        root = Path(state_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        config = HubConfig(db=root / "hub.sqlite", lease_ttl=lease_ttl, retain=retain, degree=degree)
+        port_file = root / "hub.port"
+        ready = threading.Event()
+        self._address = ""
+        self._error: BaseException | None = None
+        self._loop = asyncio.new_event_loop()
+        self._stop = asyncio.Event()
+
+        def on_ready(address: str) -> None:
+            self._address = address
+            port_file.write_text(address.rpartition(":")[2])
+            ready.set()
+
+        def run() -> None:
+            try:
+                self._loop.run_until_complete(hub_server.serve(
+                    config, secret, host, _saved_port(port_file), ready=on_ready, stop=self._stop))
+            except BaseException as exc:  # reported to __init__ (if before ready) and stop
+                self._error = exc
+                ready.set()
+
+        self._thread = threading.Thread(target=run, name="weighthub-hub", daemon=True)
+        self._thread.start()
+        if not ready.wait(START_TIMEOUT_S) or self._error is not None:
+            raise UsageError(f"the weighthub hub did not start in {START_TIMEOUT_S:g} s on {host} "
+                             f"({self._error!r}); is its port taken? (state in {root})")
+
+    def address(self) -> str:
+        return self._address
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=10)
+
+
+class NodeDaemon:
+    """`weighthub serve node` in a thread of a Ray actor: this Ray node's holder and relay.
+
+    Its target is an in-memory state dict (one host copy of the model per Ray node), its cache a
+    directory; engines on the node read chunks from it before the store.
+
+    Args:
+        store_url: the object store versions are committed to.
+        hub: the hub's address.
+        secret: the sync group's shared secret.
+        node_id: holder id (the Ray node id).
+        labels: region / zone / host.
+        state_dir: cache and port file (kept across restarts).
+        host: the address to listen on.
+        timeout: every hub call and peer request (NodeConfig.timeout).
+    """
+
+    def __init__(self, store_url: str, hub: str, secret: bytes, node_id: str, labels: Labels,
+                 state_dir: str, host: str, *, timeout: float = 10.0, poll_s: float = 1.0) -> None:
+        root = Path(state_dir)
+        (root / "cache").mkdir(parents=True, exist_ok=True)
+        port_file = root / "node.port"
+        config = NodeConfig(node_id=node_id, labels=labels, timeout=timeout, poll_s=poll_s,
+                            host=host, port=_saved_port(port_file))
+        self._events: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self.node = Node(open_store(store_url), StateDictTarget({}), secret, config,
+                         hub=HubClient(hub, secret, timeout=timeout, labels=labels),
+                         cache=LocalStore(root / "cache"), on_event=self._event)
+        self.node.start()
+        port_file.write_text(self.node.server.address.rpartition(":")[2])
+
+    def _event(self, event: dict[str, Any]) -> None:
+        with self._lock:
+            self._events = [*self._events[-63:], event]  # the last 64, for diagnosis
+
+    def address(self) -> str:
+        return self.node.server.address
+
+    def held(self) -> dict[str, Any] | None:
+        held = self.node.target.held()
+        return None if held is None else {"version": held.version, "root": held.root}
+
+    def wait_version(self, version: int, timeout: float) -> dict[str, Any]:
+        """Block until the node holds `version` or a newer one; its held version and root.
+
+        Raises:
+            PeerTimeout: not within `timeout` seconds (the node's last events in the message).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            held = self.held()
+            if held is not None and held["version"] >= version:
+                return held
+            if time.monotonic() >= deadline:
+                with self._lock:
+                    last = self._events[-3:]
+                raise PeerTimeout(f"node daemon {self.node.config.node_id} does not hold version "
+                                  f"{version} after {timeout:g} s (holds {held}); last events {last}")
+            time.sleep(0.02)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            events = list(self._events)
+        return {"held": self.held(), "stats": self.node.stats(), "pushed": self.node.pushed,
+                "synced": [e for e in events if e.get("event") == "synced"][-8:]}
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self.node.stop()

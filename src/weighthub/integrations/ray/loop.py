@@ -1,0 +1,261 @@
+"""The GRPO loop on Ray: a trainer actor, rollout actors on vLLM, weighthub between them.
+
+    run_grpo(RLConfig(model="smollm2", steps=5, engines=2))
+
+Per step: the engines generate the step's rollouts (each batch attested), the trainer checks
+the attestations and the drift, updates and publishes; every engine stages the new version in
+the background and refits (paused only to apply). With `lag=1` the engines generate the next
+batch with the previous version while the trainer updates, and stage while they generate
+(the trainer's importance ratios and ledger account for the one version of staleness).
+
+Then, side by side in the same step, the usual route: the trainer's full bf16 state through
+Ray's object store into every engine's vLLM loader (`weighthub_load_state`; the same bits, so
+the engines stay on the version). Per step the loop reports reward, drift, the refit (publish
+start → every engine serving), the pause, bytes moved by each route, and the version and root
+each engine attested.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...errors import UsageError
+from .rollout import VLLMRollout
+from .sync import WeightSync
+from .trainer import GRPOTrainer
+
+
+@dataclass(slots=True)
+class RLConfig:
+    model: str | dict[str, Any] = "smollm2"
+    store_url: str = ""
+    work_dir: str = ""
+    steps: int = 4
+    engines: int = 2
+    prompts: int = 8  # per step, split over the engines
+    samples: int = 4  # per prompt (the GRPO group)
+    max_tokens: int = 16
+    lr: float = 1e-5
+    lag: int = 0  # 0: on-policy; 1: generate the next batch while training (stage during it)
+    encode: str = "fast"
+    seed: int = 0
+    baseline: bool = True
+    probe: bool = True  # measure generation throughput with and without a staging in flight
+    engine_args: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.lag not in (0, 1) or self.steps < 1 or self.engines < 1 \
+                or self.prompts < self.engines or self.samples < 2:
+            raise UsageError(f"RLConfig: need lag 0 or 1, steps ≥ 1, engines ≥ 1, prompts ≥ "
+                             f"engines, samples ≥ 2; got {self.lag}, {self.steps}, {self.engines}, "
+                             f"{self.prompts}, {self.samples}")
+
+
+def _pinned(cls: type, node_id: str, **options: Any) -> Any:
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return ray.remote(cls).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), **options)
+
+
+class GRPOLoop:
+    """The actors of one run (started by `start`, removed by `close`) and its steps."""
+
+    def __init__(self, config: RLConfig, sync: WeightSync) -> None:
+        self.config = config
+        self.sync = sync
+        self.trainer: Any = None
+        self.engines: list[Any] = []
+        self.initial: dict[str, Any] = {}
+        self.steps: list[dict[str, Any]] = []
+        self._engine_args: dict[str, Any] = {}
+        self._engine_nodes: list[str] = []
+
+    def start(self) -> dict[str, Any]:
+        import ray
+
+        c = self.config
+        nodes = sorted(self.sync.spec.nodes)
+        here = ray.get_runtime_context().get_node_id()
+        self.trainer = _pinned(GRPOTrainer, here, num_cpus=0).remote(
+            c.model, self.sync.spec, c.work_dir, lr=c.lr, max_lag=c.lag, seed=c.seed, encode=c.encode)
+        self.initial = ray.get(self.trainer.start.remote())
+        args = {"skip_tokenizer_init": True, "enforce_eager": True, "max_model_len": 256,
+                "dtype": "bfloat16", "max_num_seqs": 16, "seed": c.seed} | c.engine_args
+        self._engine_args = args
+        self._engine_nodes = [nodes[i % len(nodes)] for i in range(c.engines)]  # spread over nodes
+        self.engines = [self.engine_actor(i, node, args) for i, node in enumerate(self._engine_nodes)]
+        bound = [self.sync.attach_engine(e, version=self.initial["version"]) for e in self.engines]
+        return {"initial": self.initial, "bound": bound}
+
+    def engine_actor(self, i: int, node: str, args: dict[str, Any]) -> Any:
+        # max_concurrency 2: a stage call runs beside generate (both guarded inside the actor)
+        return _pinned(VLLMRollout, node, num_cpus=0, max_concurrency=2, max_restarts=0).remote(
+            f"engine{i}", self.initial["checkpoint"], **args)
+
+    def ensure_engines(self, *, timeout: float = 30.0) -> list[int]:
+        """Replace dead rollout actors: a new one on the same node from the initial checkpoint,
+        attached at that version and refitted to the newest (a delta route, or an anchor).
+        Returns the indices replaced."""
+        import ray
+
+        replaced = []
+        args = self._engine_args
+        for i, e in enumerate(self.engines):
+            try:
+                ray.get(e.weighthub_attestation.remote(), timeout=timeout)
+                continue
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass
+            node = self._engine_nodes[i]
+            fresh = self.engine_actor(i, node, args)
+            self.sync.attach_engine(fresh, version=self.initial["version"])
+            ray.get(fresh.weighthub_refit.remote(None))
+            self.engines[i] = fresh
+            replaced.append(i)
+        return replaced
+
+    # -- one step -------------------------------------------------------------------------------
+    def generate(self, step: int) -> tuple[list[Any], list[Any]]:
+        import ray
+
+        c = self.config
+        prompts = ray.get(self.trainer.prompts.remote(step, c.prompts))
+        share = -(-len(prompts) // len(self.engines))
+        futures = [e.generate.remote([p for p, _ in prompts[i * share:(i + 1) * share]],
+                                     samples=c.samples, max_tokens=c.max_tokens, seed=c.seed + step)
+                   for i, e in enumerate(self.engines)]
+        return prompts, futures
+
+    def run(self, steps: int | None = None,
+            on_row: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+        """Run `steps` more steps (default: the config's); every row so far. `on_row` sees
+        each step's row as it completes (with lag 1: when the next step's batch is in)."""
+        import ray
+
+        c = self.config
+        first = len(self.steps)
+        last = first + (c.steps if steps is None else steps)
+        pending = self.generate(first)
+        refits: list[Any] = []
+        for step in range(first, last):
+            prompts, futures = pending
+            batches = ray.get(futures)
+            refit_results = ray.get(refits) if refits else []
+            if c.lag == 1 and step + 1 < last:  # the next batch while the trainer updates
+                pending = self.generate(step + 1)
+            trained = ray.get(self.trainer.step.remote(prompts, batches))
+            published_at = time.perf_counter()
+            version = trained["version"]
+            # each engine stages at once (beside a generation in flight, with lag 1), then
+            # pauses only to apply
+            refits = [e.weighthub_refit.remote(version) for e in self.engines]
+            row = self._row(step, batches, trained, refit_results)
+            if c.lag == 0:
+                done = ray.get(refits)
+                refits = []
+                row |= self._refit_figures(trained, done, time.perf_counter() - published_at)
+                if c.baseline:
+                    row |= self._baseline()
+                if step + 1 < last:
+                    pending = self.generate(step + 1)
+            if c.lag == 0 and on_row is not None:
+                on_row(row)
+            elif c.lag == 1 and self.steps and on_row is not None:
+                on_row(self.steps[-1])
+            self.steps.append(row)
+        if refits:  # lag 1: the last version's refit
+            final = ray.get(refits)
+            self.steps[-1] |= {"pause_s": max(r["pause_s"] for r in final)}
+            if on_row is not None:
+                on_row(self.steps[-1])
+        return self.steps
+
+    def _row(self, step: int, batches: list[dict[str, Any]], trained: dict[str, Any],
+             refit_results: list[dict[str, Any]]) -> dict[str, Any]:
+        attested = [(b["attestation"].engine, b["attestation"].version, b["attestation"].root[:12])
+                    for b in batches]
+        tokens = sum(b["tokens"] for b in batches)
+        gen_s = max(b["seconds"] for b in batches)
+        row = {"step": step, "reward": trained["reward"], "loss": trained["loss"],
+               "drift": trained["drift"], "lag": trained["lag"], "attested": attested,
+               "version": trained["version"], "changed": trained["changed"],
+               "publish_s": trained["publish_s"], "payload_bytes": trained["payload_bytes"],
+               "dense_bytes": trained["dense_bytes"],
+               "gen_tokens": tokens, "gen_s": gen_s}
+        if refit_results:  # lag 1: the previous version's refit, overlapped with generation
+            row |= {"prev_pause_s": max(r["pause_s"] for r in refit_results),
+                    "prev_stage_s": max((r["staged"] or {}).get("stage_s", 0.0) for r in refit_results)}
+        return row
+
+    def _refit_figures(self, trained: dict[str, Any], done: list[dict[str, Any]],
+                       after_publish_s: float) -> dict[str, Any]:
+        fetched = sum(int(r["bytes_fetched"]) for r in done)
+        return {"refit_s": trained["publish_s"] + after_publish_s,
+                "pause_s": max(r["pause_s"] for r in done),
+                "stage_s": max((r["staged"] or {}).get("stage_s", r["stage_s"]) for r in done),
+                "engine_push_s": max(r["engine_s"] for r in done),  # vLLM's loader, in the pause
+                "prestaged": all(r["prestaged"] for r in done),
+                "stage_errors": [r["stage_error"] for r in done if r["stage_error"]],
+                "engine_bytes": fetched,
+                # chunks each source handed the engines so far (this node's daemon, the store)
+                "served": [r["served"] for r in done]}
+
+    def _baseline(self) -> dict[str, Any]:
+        """The full bf16 state through Ray's object store into every engine's loader."""
+        import ray
+
+        t0 = time.perf_counter()
+        ref = ray.get(self.trainer.state_ref.remote())[0]
+        loaded = ray.get([e.weighthub_load_state.remote(ref) for e in self.engines])
+        return {"baseline_s": time.perf_counter() - t0,
+                "baseline_load_s": max(r["seconds"] for r in loaded),
+                "baseline_bytes": sum(int(r["bytes"]) for r in loaded)}
+
+    # -- generation throughput with and without a staging in flight -----------------------------
+    def probe(self, step: int) -> dict[str, Any]:
+        """Tokens/s of one engine generating the same batch back to back: idle, while staging
+        a new version (one more trained step), and idle again after its refit."""
+        import ray
+
+        c = self.config
+        prompts, futures = self.generate(step)
+        version = ray.get(self.trainer.step.remote(prompts, ray.get(futures)))["version"]
+        engine, batch = self.engines[0], [p for p, _ in prompts]
+
+        def tps() -> tuple[float, float]:
+            b = ray.get(engine.generate.remote(batch, samples=c.samples, max_tokens=c.max_tokens,
+                                               seed=c.seed))
+            return float(b["tokens"] / b["seconds"]), float(b["seconds"])
+
+        idle_before, _ = tps()
+        engine.weighthub_stage.remote(version)
+        staging, gen_s = tps()
+        refit = ray.get(engine.weighthub_refit.remote(version))
+        ray.get([e.weighthub_refit.remote(version) for e in self.engines[1:]])
+        idle_after, _ = tps()
+        idle = (idle_before + idle_after) / 2
+        staged = refit["staged"] or {}
+        return {"tps_idle_before": idle_before, "tps_staging": staging, "tps_idle_after": idle_after,
+                "ratio": staging / idle, "gen_s": gen_s,
+                "stage_s": staged.get("stage_s", 0.0) + staged.get("node_wait_s", 0.0),
+                "staging_wait_s": refit["staging_wait_s"], "pause_s": refit["pause_s"]}
+
+    def close(self) -> None:
+        import ray
+
+        for e in self.engines:
+            with contextlib.suppress(Exception):  # a dead or hung actor is killed below
+                ray.get(e.shutdown.remote(), timeout=60)
+            ray.kill(e)
+        if self.trainer is not None:
+            with contextlib.suppress(Exception):  # a dead or hung actor is killed below
+                ray.get(self.trainer.close.remote(), timeout=30)
+            ray.kill(self.trainer)
+        self.engines, self.trainer = [], None
+

@@ -1,0 +1,19 @@
+"""The RL demo's command-line options (`weighthub demo --rl`): importing this loads nothing heavy."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    p.add_argument("--engines", type=int, default=2, help="vLLM rollout actors (default 2)")
+    p.add_argument("--nodes", type=int, default=2, help="local Ray nodes to start (default 2)")
+    p.add_argument("--address", default=None, help="use this Ray cluster instead of starting one")
+    p.add_argument("--lag", type=int, choices=[0, 1], default=0,
+                   help="1: generate the next batch while training (default 0: on-policy)")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per step (default 8)")
+    p.add_argument("--samples", type=int, default=4, help="completions per prompt (default 4)")
+    p.add_argument("--max-tokens", type=int, default=16, help="completion length cap (default 16)")
+    p.add_argument("--encode", choices=["fast", "compact", "grouped"], default="fast",
+                   help="the publisher's encode profile (default fast: loopback links)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the object-store route")

@@ -1,0 +1,251 @@
+"""The rollout side: a vLLM engine in a Ray actor, attached to a sync group.
+
+`RolloutEngine` is a mixin for a user's rollout actor that owns a `vllm.LLM` in `self.llm`,
+started with `worker_extension_cls=weighthub.engines.vllm.EXTENSION`. Its methods (all Ray actor
+methods) bind the engine to the group, stage a version in a background thread while the actor
+keeps generating, refit (the only pause), attest and audit.
+
+Staging overlaps generation only with an in-process engine core
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, which `VLLMRollout` sets): the staging thread then calls the
+worker directly while `generate` runs on the actor's thread. With a multiprocess core the RPC
+queues behind the engine's steps (correct, but no overlap).
+
+`VLLMRollout` is a ready-made rollout actor: token-id prompts in, sampled token ids and their
+log-probabilities out, each batch attested.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ...engines.vllm import EXTENSION, bind, refit, stage
+from ...errors import AttestationError, UsageError
+from .attest import Attestation
+from .spec import SyncSpec
+
+STAGE_WAIT_S = 120.0  # longest a stage waits for this node's daemon to hold the version
+_LOCKS = threading.Lock()
+
+
+class RolloutEngine:
+    """Mixin: weighthub methods for a Ray actor owning a vLLM engine in `self.llm`.
+
+    Create the actor with `max_concurrency=2` (or more) and generate inside
+    `with self._wh_serving():` (VLLMRollout does): a refit then stages on its own thread while
+    the engine generates, and waits for the generation to end only to apply.
+    """
+
+    llm: Any
+    _wh_spec: SyncSpec | None = None
+    _wh_node_id: str = ""
+    _wh_thread: threading.Thread | None = None
+    _wh_staged: dict[str, Any] | None = None
+    _wh_stage_error: BaseException | None = None
+
+    def weighthub_attach(self, spec: SyncSpec, version: int | None = None) -> dict[str, Any]:
+        """Bind the engine (serving `version`, default found by digest) to the group's store;
+        chunks come from this Ray node's staging cache, then its daemon, then the store."""
+        import ray
+
+        node_id = ray.get_runtime_context().get_node_id()
+        node = spec.node(node_id)
+        with self._wh_lock("_wh_refit_lock"), self._wh_serving():
+            bound = bind(self.llm, spec.store_url, version, stage_dir=node.stage_dir,
+                         peers=(node.address,), secret=spec.secret)
+            self._wh_spec, self._wh_node_id = spec, node_id
+        return bound | {"node": node_id, "daemon": node.address}
+
+    def weighthub_stage(self, version: int, *, wait_node: bool = True) -> None:
+        """Start staging `version` on a thread of its own and return at once (generate
+        meanwhile); the next `weighthub_refit` of that version applies it."""
+        spec = self._wh_bound()
+        with self._wh_lock("_wh_refit_lock"):
+            self._wh_join()  # one staging at a time; a failed one is forgotten here
+
+            def run() -> None:
+                try:
+                    self._wh_staged = self._wh_stage_now(spec, version, wait_node)
+                except BaseException as exc:  # reported by weighthub_refit
+                    self._wh_stage_error = exc
+
+            self._wh_thread = threading.Thread(target=run, name="weighthub-stage", daemon=True)
+            self._wh_thread.start()
+
+    def weighthub_refit(self, version: int | None = None, *, wait_node: bool = True) -> dict[str, Any]:
+        """Bring the engine to `version` (default: the staged one, else the latest).
+
+        Stages first unless `weighthub_stage` already staged that version — without pausing
+        the engine: a generation in flight keeps running — then waits for it to end and
+        pauses only to apply, verify and commit. All or nothing. A staging that failed (a dead
+        daemon, a chunk that did not verify) is reported in `stage_error`; the apply then
+        stages inline from the remaining sources. `wait_node`: as for staging, wait until this
+        node's daemon holds the version first, so this host fetches each chunk once."""
+        spec = self._wh_bound()
+        with self._wh_lock("_wh_refit_lock"):
+            t0 = time.perf_counter()
+            self._wh_join()
+            staged, error = self._wh_staged, self._wh_stage_error
+            self._wh_staged, self._wh_stage_error = None, None
+            if version is None and staged is not None:
+                version = int(staged["version"])
+            if staged is None or staged["version"] != version:
+                try:
+                    staged = self._wh_stage_now(spec, version, wait_node)
+                except Exception as exc:  # the apply stages inline; said in the result
+                    staged, error = None, exc
+            t1 = time.perf_counter()
+            with self._wh_serving():  # waits for a generation in flight to end
+                t2 = time.perf_counter()
+                result = refit(self.llm, version)
+        return result | {"staging_wait_s": t1 - t0, "serve_wait_s": t2 - t1, "staged": staged,
+                         "stage_error": None if error is None else repr(error)}
+
+    def _wh_stage_now(self, spec: SyncSpec, version: int | None, wait_node: bool) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        if wait_node and version is not None:
+            import ray
+            daemon = ray.get_actor(f"{spec.name}-node-{self._wh_node_id[:16]}")
+            ray.get(daemon.wait_version.remote(version, STAGE_WAIT_S), timeout=STAGE_WAIT_S + 10)
+        t1 = time.perf_counter()
+        return dict(stage(self.llm, version)) | {"node_wait_s": t1 - t0}
+
+    @contextlib.contextmanager
+    def _wh_serving(self) -> Iterator[None]:
+        """Held while the engine generates or applies: a refit never changes weights mid-batch."""
+        with self._wh_lock("_wh_serve_lock"):
+            yield
+
+    def _wh_lock(self, name: str) -> threading.Lock:
+        with _LOCKS:  # created on first use: the mixin has no __init__ of its own
+            lock = self.__dict__.get(name)
+            if lock is None:
+                lock = self.__dict__[name] = threading.Lock()
+        return lock
+
+    def weighthub_attestation(self) -> Attestation:
+        """The committed policy this engine serves now."""
+        held = self.llm.collective_rpc("weighthub_held")[0]
+        if "error" in held:
+            raise UsageError(f"this engine cannot attest: {held['message']}")
+        return Attestation(engine=self._wh_name(), store=held["store"], model=held["model"],
+                           version=int(held["version"]), root=str(held["root"]))
+
+    def weighthub_audit(self) -> dict[str, Any]:
+        """Read back the engine's plain-copy parameters and digest them against the committed
+        version (see `WeighthubWorker.weighthub_audit`)."""
+        return dict(self.llm.collective_rpc("weighthub_audit")[0])
+
+    def weighthub_digests(self) -> dict[str, Any]:
+        """Per-tensor digests of what the engine serves (`WeighthubWorker.weighthub_digests`)."""
+        return dict(self.llm.collective_rpc("weighthub_digests")[0])
+
+    def weighthub_load_state(self, state: Any) -> dict[str, Any]:
+        """The baseline route: a full state (or an ObjectRef to one) through vLLM's loader."""
+        import ray
+
+        t0 = time.perf_counter()
+        if isinstance(state, ray.ObjectRef):
+            state = ray.get(state)
+        got = time.perf_counter() - t0
+        result = dict(self.llm.collective_rpc("weighthub_load_state", args=(state,))[0])
+        if "error" in result:
+            raise UsageError(f"baseline load refused: {result['message']}")
+        return result | {"get_s": got}
+
+    def _wh_join(self) -> None:
+        thread = self._wh_thread
+        if thread is not None:
+            thread.join()
+            self._wh_thread = None
+
+    def _wh_bound(self) -> SyncSpec:
+        if self._wh_spec is None:
+            raise UsageError("this rollout engine is not attached: call sync.attach_engine(actor)")
+        return self._wh_spec
+
+    def _wh_name(self) -> str:
+        return f"{getattr(self, 'name', 'engine')}@{getattr(self, '_wh_node_id', '?')[:8]}"
+
+
+class VLLMRollout(RolloutEngine):
+    """A rollout actor: one in-process vLLM engine (CPU or GPU build) on a checkpoint directory.
+
+    Args:
+        name: how it is named in attestations and reports.
+        checkpoint: the directory the engine starts from (a published version's bits).
+        engine_args: more `vllm.LLM` keyword arguments (max_model_len, dtype, ...).
+    """
+
+    def __init__(self, name: str, checkpoint: str, **engine_args: Any) -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # staging overlaps generate
+        from vllm import LLM
+
+        self.name = name
+        with _vllm_scan_safe():
+            self.llm = LLM(checkpoint, worker_extension_cls=EXTENSION, **engine_args)
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, samples: int, max_tokens: int,
+                 temperature: float = 1.0, seed: int = 0) -> dict[str, Any]:
+        """`samples` completions per token-id prompt, with the sampled tokens' log-probabilities
+        and the attestation of the policy that generated them (the same before and after)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(n=samples, temperature=temperature, max_tokens=max_tokens,
+                                logprobs=0, seed=seed, detokenize=False)
+        with self._wh_serving():
+            before = self.weighthub_attestation()
+            t0 = time.perf_counter()
+            out = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                                    params, use_tqdm=False)
+            seconds = time.perf_counter() - t0
+            after = self.weighthub_attestation()
+        if after != before:
+            raise AttestationError(f"engine {self.name}: its policy changed during generation "
+                                   f"({before.version} -> {after.version}): batch discarded")
+        completions = [[list(c.token_ids) for c in o.outputs] for o in out]
+        logprobs = [[[step[t].logprob for step, t in zip(c.logprobs, c.token_ids, strict=True)]
+                     for c in o.outputs] for o in out]
+        tokens = sum(len(c) for group in completions for c in group)
+        return {"completions": completions, "logprobs": logprobs, "attestation": after,
+                "seconds": seconds, "tokens": tokens}
+
+    def shutdown(self) -> None:
+        self.llm.llm_engine.engine_core.shutdown()
+
+
+@contextlib.contextmanager
+def _vllm_scan_safe() -> Iterator[None]:
+    """Hide, while an in-process vLLM engine starts, module globals that break its scan.
+
+    vLLM 0.32's CPU worker rebinds Triton kernels by walking every loaded module's globals and
+    calling `vars(value).get(...)` on each; llvmlite's `ffi.lib` (loaded with numba, which
+    weighthub's kernels use) answers `__dict__` through its `__getattr__` with an object that
+    has no `.get`, and the engine dies at start-up. A separate engine process never has numba
+    loaded at that point; an in-process one does. Nothing else runs meanwhile in this process
+    (the actor is being constructed), so the globals are simply put back afterwards.
+    """
+    hidden = []
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for name, value in list(namespace.items()):
+            try:
+                breaks = hasattr(value, "__dict__") and not hasattr(vars(value), "get")
+            except TypeError:
+                continue
+            if breaks:
+                hidden.append((namespace, name, value))
+                del namespace[name]
+    try:
+        yield
+    finally:
+        for namespace, name, value in hidden:
+            namespace[name] = value
