@@ -59,8 +59,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                       work_dir=str(root), steps=2, engines=2, prompts=4, samples=2, max_tokens=8,
                       lr=1e-4, seed=0)
     with local_cluster(2, cpus_per_node=2, object_store_bytes=256 << 20):
-        sync = WeightSync.create(config.store_url, host="127.0.0.1", work_dir=str(root / "daemons"),
-                                 lease_ttl=3.0, timeout=5.0)
+        sync = WeightSync.create(config.store_url, host="127.0.0.1", work_dir=str(root / "daemons"))
         loop = GRPOLoop(config, sync)
         try:
             started = loop.start()

