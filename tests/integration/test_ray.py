@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -90,6 +91,12 @@ def _assert_engines_at(run: dict[str, Any], version: int) -> None:
         assert got["engine"] | got["mirror"] == digests
         assert got["engine"], "no parameter was read back from the engine itself"
         assert ray.get(e.weighthub_audit.remote())["mismatched"] == []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _newest(run: dict[str, Any]) -> int:
@@ -206,7 +213,8 @@ def test_killed_node_daemon_and_hub_come_back(run: dict[str, Any]) -> None:
 
 
 def test_trainer_outside_ray_and_unpublished_policy(run: dict[str, Any]) -> None:
-    """A plain process (as under torchrun) publishes through the group's spec file; engines
+    """A plain process (a torch.distributed trainer rank, as under torchrun) publishes through
+    the group's spec file; the hub hears of it and the node daemons follow; engines
     refit to it; the Ray trainer then refuses their batches: it did not publish that version.
     Another model published into the same group is refused by the store's model check."""
     loop, ray, sync = run["loop"], run["ray"], run["sync"]
@@ -215,6 +223,7 @@ def test_trainer_outside_ray_and_unpublished_policy(run: dict[str, Any]) -> None
     script = textwrap.dedent(f"""
         import sys, torch
         from weighthub.integrations.ray.sync import WeightSync
+        from weighthub.layout import ShardBox
         from weighthub.receive import Receiver
         from weighthub.store import open_store
         from weighthub.targets import StateDictTarget
@@ -223,17 +232,28 @@ def test_trainer_outside_ray_and_unpublished_policy(run: dict[str, Any]) -> None
         sync = WeightSync.connect({str(spec)!r})
         held = StateDictTarget({{}})
         Receiver(open_store(sync.spec.store_url), held).sync()
-        publisher = sync.publisher()
+        # one trainer rank of a torch.distributed job, publishing its (here: whole) shards
+        torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:{_free_port()}",
+                                             rank=0, world_size=1)
+        publisher = sync.sharded_publisher()
         try:
-            print(publisher.publish(rl_step(held.state, 99, fraction=0.01)).version)
+            state = rl_step(held.state, 99, fraction=0.01)
+            whole = {{n: ShardBox(tuple(t.shape), (0,) * t.ndim, tuple(t.shape))
+                     for n, t in state.items()}}  # this rank holds every tensor whole
+            result = publisher.publish(state, shard_map=whole)
+            print(result.version, publisher.announced)
         finally:
             publisher.close()
+            torch.distributed.destroy_process_group()
         """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                          env={k: v for k, v in os.environ.items() if not k.startswith("RAY_")})
     assert out.returncode == 0, out.stderr[-3000:]
-    version = int(out.stdout.split()[-1])
-    assert version == _newest(run)
+    printed, announced = out.stdout.split()[-2:]
+    version = int(printed)
+    assert version == _newest(run) and announced == "True"
+    # the hub heard of it: every node daemon follows
+    assert {h["version"] for h in sync.wait_nodes(version, timeout=60).values()} == {version}
     ray.get([e.weighthub_refit.remote(version) for e in loop.engines])
     _assert_engines_at(run, version)
     with pytest.raises(AttestationError, match="did not publish"):

@@ -14,7 +14,9 @@
     ledger.check(batch["attestation"])                # the trainer's PolicyLedger
 
     spec      SyncSpec: the group as a value (or a 0600 JSON file, for a trainer outside Ray)
-    sync      WeightSync: create / connect / publisher / attach_engine / add_nodes / close
+    sync      WeightSync: create / connect / publisher / sharded_publisher / attach_engine /
+              add_nodes / wait_daemons / close
+    ranks     RankPublisher: a sharded trainer rank's publisher that announces to the hub
     daemons   the hub and node daemons as Ray actors, restartable at the same address
     rollout   RolloutEngine (mixin for a rollout actor owning a vllm.LLM) and VLLMRollout
     attest    Attestation, PolicyLedger, drift

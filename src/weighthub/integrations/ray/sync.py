@@ -31,8 +31,11 @@ from ...cluster.hubclient import HubClient
 from ...cluster.publisher import NetPublisher
 from ...cluster.topology import Labels
 from ...errors import PeerTimeout, UsageError
+from ...publish import ShardedPublisher
+from ...publish.options import PublishOptions
 from ...store import open_store
 from .daemons import HubDaemon, NodeDaemon
+from .ranks import RankPublisher
 from .spec import NodeSpec, SyncSpec
 
 LABEL_KEYS = {"region": ("region", "ray.io/region", "topology.kubernetes.io/region"),
@@ -147,6 +150,21 @@ class WeightSync:
         hub = HubClient(self.spec.hub, self.spec.secret, labels=labels)
         return NetPublisher(open_store(self.spec.store_url), self.spec.secret, hub=hub, host=host,
                             **publisher_options).start()
+
+    def sharded_publisher(self, *, group: Any = None, committer: int = 0,
+                          **publisher_options: Any) -> RankPublisher:
+        """This trainer rank's publisher when the policy is sharded over ranks (every rank
+        calls `publish` with its shards; see `ShardedPublisher`). `group`: the torch.distributed
+        group of the trainer ranks (default: the world) or a `publish.group.Group`; the
+        `committer` rank writes manifests and announces each version to the hub."""
+        store = open_store(self.spec.store_url)
+        if group is not None and hasattr(group, "all_gather") and hasattr(group, "world"):
+            pub = ShardedPublisher.on_group(store, group, committer=committer,
+                                            options=PublishOptions(**publisher_options))
+        else:
+            pub = ShardedPublisher(store, group=group, committer=committer, **publisher_options)
+        hub = HubClient(self.spec.hub, self.spec.secret) if pub.rank == committer else None
+        return RankPublisher(pub, store, hub)
 
     def attach_engine(self, engine: Any, *, version: int | None = None,
                       timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
