@@ -189,10 +189,13 @@ def test_weights_changed_outside_weighthub_are_flagged(run: dict[str, Any]) -> N
     _assert_engines_at(run, version + 1)
 
 
-def test_killed_rollout_actor_is_replaced(run: dict[str, Any]) -> None:
+def test_killed_rollout_actors_come_back(run: dict[str, Any]) -> None:
     loop, ray = run["loop"], run["ray"]
-    ray.kill(loop.engines[1], no_restart=True)
-    assert loop.ensure_engines() == [1]  # a new engine from v0's checkpoint, refitted to newest
+    ray.kill(loop.engines[1], no_restart=False)  # Ray restarts it: from v0's checkpoint, it
+    assert loop.ensure_engines() == []           # attaches itself and refits to the newest
+    _assert_engines_at(run, _newest(run))
+    ray.kill(loop.engines[0], no_restart=True)  # gone for good: the loop starts another
+    assert loop.ensure_engines() == [0]
     _assert_engines_at(run, _newest(run))
     loop.run(1)
     _assert_engines_at(run, _newest(run))

@@ -28,6 +28,8 @@ from .rollout import VLLMRollout
 from .sync import WeightSync
 from .trainer import GRPOTrainer
 
+DEAD_GRACE_S = 10.0  # how long a rollout actor must read as dead before it is replaced
+
 
 @dataclass(slots=True)
 class RLConfig:
@@ -90,34 +92,49 @@ class GRPOLoop:
         self._engine_args = args
         self._engine_nodes = [nodes[i % len(nodes)] for i in range(c.engines)]  # spread over nodes
         self.engines = [self.engine_actor(i, node, args) for i, node in enumerate(self._engine_nodes)]
+        # each attached itself at start-up; attaching again returns what it is bound to
         bound = [self.sync.attach_engine(e, version=self.initial["version"]) for e in self.engines]
         return {"initial": self.initial, "bound": bound}
 
     def engine_actor(self, i: int, node: str, args: dict[str, Any]) -> Any:
-        # max_concurrency 2: a stage call runs beside generate (both guarded inside the actor)
-        return _pinned(VLLMRollout, node, num_cpus=0, max_concurrency=2, max_restarts=0).remote(
-            f"engine{i}", self.initial["checkpoint"], **args)
+        """Rollout actor `i` on `node`, attached at start-up (so also after a Ray restart:
+        `max_restarts`), from the initial checkpoint. max_concurrency 2: a refit stages beside
+        a generation (both guarded inside the actor)."""
+        return _pinned(VLLMRollout, node, num_cpus=0, max_concurrency=2, max_restarts=2).remote(
+            f"engine{i}", self.initial["checkpoint"], sync=self.sync.spec,
+            version=self.initial["version"], **args)
 
-    def ensure_engines(self, *, timeout: float = 30.0) -> list[int]:
-        """Replace dead rollout actors: a new one on the same node from the initial checkpoint,
-        attached at that version and refitted to the newest (a delta route, or an anchor).
-        Returns the indices replaced."""
+    def ensure_engines(self, *, timeout: float = 300.0) -> list[int]:
+        """Wait for every rollout actor to answer (one Ray is restarting re-attaches itself and
+        refits to the newest version); replace those that are gone for good with a new actor
+        on the same node. Returns the indices replaced."""
         import ray
 
         replaced = []
-        args = self._engine_args
+        deadline = time.monotonic() + timeout
         for i, e in enumerate(self.engines):
-            try:
-                ray.get(e.weighthub_attestation.remote(), timeout=timeout)
-                continue
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                pass
-            node = self._engine_nodes[i]
-            fresh = self.engine_actor(i, node, args)
-            self.sync.attach_engine(fresh, version=self.initial["version"])
-            ray.get(fresh.weighthub_refit.remote(None))
-            self.engines[i] = fresh
-            replaced.append(i)
+            dead_since = None
+            while True:
+                try:
+                    ray.get(e.weighthub_attestation.remote(),
+                            timeout=max(1.0, deadline - time.monotonic()))
+                    break
+                except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError) as exc:
+                    # a restart can read as "died" for a moment: dead only if it stays so
+                    now = time.monotonic()
+                    if isinstance(exc, ray.exceptions.ActorDiedError):
+                        dead_since = dead_since or now
+                        if now - dead_since >= DEAD_GRACE_S:  # out of restarts, or killed for good
+                            e = self.engines[i] = self.engine_actor(i, self._engine_nodes[i],
+                                                                    self._engine_args)
+                            replaced.append(i)
+                            dead_since = None
+                            continue
+                    else:
+                        dead_since = None
+                    if now >= deadline:
+                        raise
+                    time.sleep(0.5)
         return replaced
 
     # -- one step -------------------------------------------------------------------------------

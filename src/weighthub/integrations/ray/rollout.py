@@ -179,16 +179,23 @@ class VLLMRollout(RolloutEngine):
     Args:
         name: how it is named in attestations and reports.
         checkpoint: the directory the engine starts from (a published version's bits).
+        sync: attach to this group at start-up, serving `version` (the checkpoint's), then
+            refit to the newest version: an actor that Ray restarts (`max_restarts`) comes back
+            attached and current, with nothing for the driver to do.
         engine_args: more `vllm.LLM` keyword arguments (max_model_len, dtype, ...).
     """
 
-    def __init__(self, name: str, checkpoint: str, **engine_args: Any) -> None:
+    def __init__(self, name: str, checkpoint: str, *, sync: SyncSpec | None = None,
+                 version: int | None = None, **engine_args: Any) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # staging overlaps generate
         from vllm import LLM
 
         self.name = name
         with _vllm_scan_safe():
             self.llm = LLM(checkpoint, worker_extension_cls=EXTENSION, **engine_args)
+        if sync is not None:
+            self.weighthub_attach(sync, version)
+            self.weighthub_refit(None)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, samples: int, max_tokens: int,
                  temperature: float = 1.0, seed: int = 0) -> dict[str, Any]:
