@@ -24,9 +24,10 @@ weighthub error class on the driver.
 The ranks of a tensor-parallel engine commit a version together (`refit` runs the commit vote
 of `engines.vote`): all of them, or none.
 
-Limitations: `stage` is itself an RPC that runs on the worker's thread, so the engine does not step
-while it runs either: it moves the fetch out of the refit (schedule it between generate calls,
-e.g. while the trainer is still busy), it does not overlap it with generation; a refit without
+Limitations: with vLLM's multiprocess engine core `stage` is an RPC that runs on the worker's
+thread, so the engine does not step while it runs: it moves the fetch out of the refit, it does
+not overlap it with generation. An in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) can stage
+from another thread while it generates (`integrations.ray.rollout` does); a refit without
 a staged version stages inline (`stage_s` vs `pause_s` in the result); the mirror costs one host copy of the
 canonical model per worker; an exception raised inside vLLM's own layerwise reload may leave
 vLLM's reload bookkeeping half done, which the restore path has not been tested against (the
