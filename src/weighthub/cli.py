@@ -28,6 +28,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +65,9 @@ def cmd_publish(args: argparse.Namespace) -> int:
     store = open_store_of(args)
     if hub is not None:
         _check_hub(hub, store)
+    policy = replace(ENCODE_PROFILES[args.encode], frame_version=args.frame_version)
     pub = Publisher(store, anchor_every=args.anchor_every, skip_every=args.skip_every,
-                    retain=args.retain, policy=ENCODE_PROFILES[args.encode])
+                    retain=args.retain, policy=policy)
     r = pub.publish(state)
     doc: dict[str, Any] = {
         "version": r.version, "base": r.base, "dense_bytes": r.dense_bytes,
@@ -249,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "old exponents, the fewest bytes; 'grouped': exponent-grouped varints under "
                         "zstd, faster encode; 'fast': plain gaps, fastest encode and staging, most "
                         "bytes (fast links)")
+    s.add_argument("--frame-version", type=int, choices=(1, 2), default=2,
+                   help="chunk frame version to write: 2 (default; compact segment tables) or 1, "
+                        "while some receivers run a weighthub that reads only version 1 (a rolling upgrade)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--hub", default=None, metavar="HOST:PORT",
                    help="after the commit, announce the version to this hub (`weighthub serve hub`) "

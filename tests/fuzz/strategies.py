@@ -162,17 +162,22 @@ def chunk_frame(draw: Any, dtype_index: int | None = None, *, resum: bool | None
 
     di = draw(st.integers(0, len(DTYPES) - 1)) if dtype_index is None else dtype_index
     segs = draw(st.lists(segment(di), max_size=3))
+    version = draw(st.sampled_from([1, 2]))
     try:
-        frame = encode_chunk(segs, compress=draw(st.booleans()))
+        frame = encode_chunk(segs, compress=draw(st.booleans()), version=version)
     except (struct.error, OverflowError):
         frame = encode_chunk([], compress=True)  # an edit the writer cannot even pack
     layer = draw(st.sampled_from(["none", "header", "table", "bytes", "bytes", "zstd"]))
+    table_len = _HEADER.unpack_from(frame, 0)[4] if version == 2 else len(segs) * _SEGMENT.size
     if layer == "header":
         frame = _set_field(frame, _HEADER, 0, draw(st.integers(0, 6)), draw(ints))
-    elif layer == "table" and segs:
+    elif layer == "table" and segs and version == 1:
         i = draw(st.integers(0, len(segs) - 1))
         frame = _set_field(frame, _SEGMENT, _HEADER.size + i * _SEGMENT.size,
                            draw(st.integers(0, 9)), draw(ints))
+    elif layer == "table" and table_len:  # varint records: any byte of the table, any value
+        at = _HEADER.size + draw(st.integers(0, table_len - 1))
+        frame = frame[:at] + bytes([draw(st.integers(0, 255))]) + frame[at + 1:]
     elif layer == "bytes":
         frame = apply_edits(frame, draw(edits))
     elif layer == "zstd":  # a body whose zstd header declares some size, then junk or nothing

@@ -192,6 +192,28 @@ def test_pull_back_to_an_older_version_undoes_deltas(tmp_path: Path,
     assert same_bits(load_file(out), states[0])
 
 
+def test_publish_frame_version_1_for_old_receivers(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """`--frame-version 1` writes every chunk in version 1 (what a weighthub that reads only
+    version 1 accepts), the default version 2; a pull reads both, to the same bits."""
+    states = [make_state(), step(make_state(), 1)]
+    heads: dict[int, set[int]] = {}
+    for fv in (1, 2):
+        store = tmp_path / f"store{fv}"
+        for v, s in enumerate(states):
+            save_file(s, tmp_path / f"c{v}.safetensors")
+            extra = ("--frame-version", "1") if fv == 1 else ()
+            assert run(capsys, "publish", store, tmp_path / f"c{v}.safetensors", *extra)[0] == 0
+        heads[fv] = {int.from_bytes(f.read_bytes()[4:6], "little") for f in store.rglob("*.whc")}
+        assert run(capsys, "pull", store, tmp_path / f"out{fv}.safetensors")[0] == 0
+        assert same_bits(load_file(tmp_path / f"out{fv}.safetensors"), states[1])
+    assert heads == {1: {1}, 2: {2}}
+    with pytest.raises(SystemExit) as exc:
+        run(capsys, "publish", tmp_path / "store3", tmp_path / "c0.safetensors", "--frame-version", 3)
+    assert exc.value.code == 2 and "--frame-version" in capsys.readouterr().err
+    assert not (tmp_path / "store3").exists()
+
+
 def test_verify_ok_and_mismatch(history, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     store, states, ckpts = history
     code, out, _ = run(capsys, "verify", store, ckpts[2])

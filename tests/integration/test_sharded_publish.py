@@ -519,21 +519,23 @@ def test_a_rank_dying_before_the_commit_commits_nothing(groups: dict[int, Group]
 # masked digests of every object the group stored for the trajectory (tests/store_golden.py),
 # recorded from the sharded publisher as it stood before `publish/` became one pipeline, and
 # re-recorded when the default `compact` encoding gained the context coding (issue #16; full
-# versions, v0, are unchanged: the grouped-coding bytes stay pinned by test_publish_golden)
+# versions, v0, were unchanged: the grouped-coding bytes stay pinned by test_publish_golden),
+# and again when writers moved to chunk frame version 2 (every frame's table changed; the
+# version-1 bytes stay pinned by test_publish_golden's GOLDEN and GOLDEN_CTX)
 GOLDEN: dict[int, dict[str, str]] = {
     2: {
-        "v000000000000": "7:bc396e118d16b109de035e7132ae6251",
-        "v000000000001": "7:d5b0ced18adddcda6e019cea228ed90d",
-        "v000000000002": "14:1a0e504404353aa649932f62370dd4e9",
-        "v000000000003": "7:bff10d729326aef5af65fa4334426ef5",
-        "v000000000004": "14:50ddf41c28b0b4ced25ec97912287ea0",
+        "v000000000000": "7:8ee31a332b09ea1c09697560cf3cf59d",
+        "v000000000001": "7:90839641d938dff306afdabcbf36a61c",
+        "v000000000002": "14:a1b9f71fcb9c9ab025381443125eb4ac",
+        "v000000000003": "7:a350c29b5a5dc7d4c26dbaee4bbd42a7",
+        "v000000000004": "14:62a2de1cb6ea8d87c03ade086c78e6ce",
     },
     3: {
-        "v000000000000": "7:2c9da9661afa2c007667a30dd6867d2b",
-        "v000000000001": "7:a68d4276a90d917cbd9251ccf57a5b41",
-        "v000000000002": "14:9c137801c4a8f0413ea2886b825d6b0c",
-        "v000000000003": "7:9452c6d92acb5c2a9b8b0fdef63736ff",
-        "v000000000004": "14:e6cac70a1fa0b58d3333228bd88b0ee7",
+        "v000000000000": "7:661f93f3e7ebdf9a51b313d2aaecd8f9",
+        "v000000000001": "7:0f372124056ac118fca388261cb80ac9",
+        "v000000000002": "14:8c57c209064eab9c15b0befd6645fb42",
+        "v000000000003": "7:ef7754ed5956c4bb00c4d83b80487196",
+        "v000000000004": "14:5a3adf8070d579cad0e5f48dbeadd704",
     },
 }
 

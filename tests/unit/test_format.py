@@ -46,6 +46,9 @@ def golden_segments() -> list[Segment]:
     ]
 
 
+# GOLDEN is a version-1 frame: writers emit it with encode_chunk(version=1), every reader reads
+# it, and the hostile cases below edit its fixed-size records; version 2 (varint records) is
+# pinned and attacked in test_format_v2.py
 GOLDEN = bytes.fromhex(
     # header: magic, version 1, flags 0, 2 segments, reserved, raw 13, stored 13
     "5748434b" "0100" "0000" "02000000" "00000000" "0d00000000000000" "0d00000000000000"
@@ -89,7 +92,7 @@ def with_record(frame: bytes, i: int, **fields: int) -> bytes:
 
 
 def test_golden_chunk_bytes() -> None:
-    frame = encode_chunk(golden_segments(), compress=False)
+    frame = encode_chunk(golden_segments(), compress=False, version=1)
     assert frame.hex() == GOLDEN.hex()
     assert chunk_checksum(frame) == GOLDEN_SHA256 == hashlib.sha256(GOLDEN).hexdigest()
 
@@ -107,7 +110,7 @@ def test_golden_chunk_decodes() -> None:
 
 def test_compressed_roundtrip() -> None:
     segs = golden_segments()
-    frame = encode_chunk(segs, compress=True)
+    frame = encode_chunk(segs, compress=True, version=1)
     magic, version, flags, nseg, _r, raw_len, stored_len = HEADER.unpack_from(frame, 0)
     assert (magic, version, flags, nseg, raw_len) == (b"WHCK", 1, 1, 2, 13)
     body = frame[HEADER.size + 2 * RECORD.size: -8]
@@ -142,8 +145,8 @@ def test_bad_magic() -> None:
 
 
 def test_unknown_format_version() -> None:
-    for frame in (with_header(GOLDEN, version=2), GOLDEN[:4] + b"\x02\x00" + GOLDEN[6:]):
-        with pytest.raises(FormatVersionError, match=f"{WHERE}.*version 2"):
+    for frame in (with_header(GOLDEN, version=3), GOLDEN[:4] + b"\x03\x00" + GOLDEN[6:]):
+        with pytest.raises(FormatVersionError, match=f"{WHERE}.*version 3; this build reads 1, 2"):
             decode_chunk(frame, where=WHERE)
 
 
@@ -186,7 +189,7 @@ def test_segment_count_over_limit_is_refused_before_allocation(nseg: int) -> Non
 
 
 def test_raw_length_over_limit_is_refused_before_decompression() -> None:
-    compressed = encode_chunk(golden_segments(), compress=True)
+    compressed = encode_chunk(golden_segments(), compress=True, version=1)
     for raw_len in (2**40, 2**64 - 1):
         frame = with_header(compressed, raw_len=raw_len)
         with pytest.raises(LimitError, match=f"{WHERE}: body of {raw_len} bytes"):

@@ -7,7 +7,10 @@ anchors, skip deltas) and chunk frames, after a restarted publisher adopted the 
 retention deleted old versions. Only the random chunk-directory tokens, the publisher id and the
 `created` time are masked (tests/store_golden.py); every other byte must stay as it was.
 Those goldens pin `EncodePolicy(ctx=False)`, the `compact` profile before the context coding
-(issue #16); GOLDEN_CTX pins today's `compact`, context coding on.
+(issue #16); GOLDEN_CTX pins `compact` with the context coding on. Both write chunk frame
+version 1 (`frame_version=1`, what writers emitted when they were recorded); GOLDEN_V2 pins
+today's default, `compact` in frame version 2 (varint segment records), whose manifests and
+segment streams are those of GOLDEN_CTX.
 
 Each runs on both scan backends: the host kernels, and the device code (`backend="torch"`: the
 torch ops a CUDA trainer runs, here on CPU tensors), which must store the very same bytes
@@ -15,6 +18,8 @@ torch ops a CUDA trainer runs, here on CPU tensors), which must store the very s
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -73,7 +78,8 @@ def trajectory(steps: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-V1 = EncodePolicy(ctx=False)  # `compact` as the goldens were recorded
+V1 = EncodePolicy(ctx=False, frame_version=1)  # `compact` as the goldens were recorded
+CTX_V1 = replace(ENCODE_PROFILES["compact"], frame_version=1)
 
 
 BACKENDS = {"host": {}, "torch": {"backend": "torch"},
@@ -141,12 +147,41 @@ GOLDEN_CTX = {
 
 @backends
 def test_context_coded_output_is_byte_identical_to_its_golden_digests(backend: str) -> None:
-    store = _publish_trajectory(ENCODE_PROFILES["compact"], backend)
+    store = _publish_trajectory(CTX_V1, backend)
     got = digest_by_version(masked_objects(store))
     print(got)
     ops = {o for v in range(1, 10) for t in catalog.primary_manifest(store, v).tensors for o in t.ops}
     assert {"xor/ctx/ctx", "add/ctx/ctx"} & ops, ops
     assert got == GOLDEN_CTX
+
+
+GOLDEN_V2 = {
+    "v000000000000": "7:7a27515cba68460da2e005ab625ff768",
+    "v000000000001": "7:525c91ab9e4537738cfc11709eb01051",
+    "v000000000002": "14:86c763d465dda1fb8e9221183c051607",
+    "v000000000003": "14:f2ee1e432cd2fb42c2a6137d04141619",
+    "v000000000004": "14:e2174043af0f76a48829dffc10397123",
+    "v000000000005": "7:79fb65b8192ef4496bac310493eed9b1",
+    "v000000000006": "21:5c9ac66303bbce59902d66b99dd8a82a",
+    "v000000000007": "7:4d8d9369b16feb47ed8b3465cfbed3b3",
+    "v000000000008": "7:fc64c73e19e49ed5b291c81c5442134a",
+    "v000000000009": "14:8342763894460b23c7cf32dd01bad846",
+}
+
+
+@backends
+def test_default_output_in_frame_version_2_is_byte_identical_to_its_golden_digests(
+        backend: str) -> None:
+    v2 = _publish_trajectory(ENCODE_PROFILES["compact"], backend)
+    got = digest_by_version(masked_objects(v2))
+    print(got)
+    assert got == GOLDEN_V2
+    # the same segments as in version 1, in fewer bytes
+    v1 = _publish_trajectory(CTX_V1, backend)
+    for version in range(10):
+        m1, m2 = (catalog.primary_manifest(s, version) for s in (v1, v2))
+        assert [t.digest for t in m1.tensors] == [t.digest for t in m2.tensors]
+        assert m2.payload_bytes < m1.payload_bytes or m2.changed == 0, (version, m1, m2)
 
 
 @backends

@@ -136,6 +136,8 @@ class EncodePolicy:
     ctx: with `groups`, code float segments' positions and values with the range coder in
       context of the old exponents (xor/ctx/ctx, add/ctx/ctx) instead of exponent-grouped
       varints: the same context, coded near its entropy. Like `groups`, not invertible.
+    frame_version: the chunk frame version written (spec §1): 2 (varint segment records), or 1
+      while some receivers run a weighthub that reads only version 1 (a rolling upgrade).
     """
 
     mask_ops: bool = True
@@ -144,19 +146,20 @@ class EncodePolicy:
     group_probe: bool = True
     value_sample: int = 1 << 16
     ctx: bool = True
+    frame_version: int = 2
 
 
-# Named encoder policies (Publisher(policy=...), `weighthub publish --encode NAME`). Measured
-# with `weighthub bench` on the real MiniLM and SmolLM2 trajectories (lr 1e-6..1e-4, 2 cores):
-# "compact" (the default) codes float xor/add segments with the context coder (`ctx`), 1.015-1.06×
-# the context entropy bound (1.115× on MiniLM at lr 1e-6, where 48-byte segment records are 5% of
-# it), 3.9-7.5 bits per changed word; it costs encoder and staging time: 0.3-1.1 GB/s of state
-# per core to encode and 0.6-1.7 to decode and apply at 0.5-3% changed (the ctx coder itself
-# ~100-200 ns per changed word either way), never in the pause. "fast" (plain gaps and varints
-# under zstd) sends 1.5-1.65× the bytes but encodes at 1.1-3 GB/s and applies at 3-9 GB/s per
-# core: the better choice on fast links. "grouped" is `compact` as it was before the context
-# coder (exponent-grouped varints under zstd), 1.24-1.49× the bound. Deltas that use ctx or groups
-# do not invert (they rank by the old exponents): rollback then takes an anchor.
+# Named encoder policies (Publisher(policy=...), `weighthub publish --encode NAME`). Measured with
+# `weighthub bench` on the real MiniLM and SmolLM2 trajectories (lr 1e-6..1e-4, 2 cores): "compact"
+# (the default) codes float xor/add segments with the context coder (`ctx`), 1.015-1.075× the
+# context entropy bound in chunk frame version 2 (MiniLM at lr 1e-6 is the 1.075×: 1.115× with
+# version 1's 48-byte segment records), 3.9-7.5 bits per changed word; it costs encoder and staging
+# time: 0.3-1.1 GB/s of state per core to encode and 0.6-1.7 to decode and apply at 0.5-3% changed
+# (the ctx coder itself ~100-200 ns per changed word either way), never in the pause. "fast" (plain
+# gaps and varints under zstd) sends 1.5-1.65× the bytes but encodes at 1.1-3 GB/s and applies at
+# 3-9 GB/s per core: the better choice on fast links. "grouped" is `compact` as it was before the
+# context coder (exponent-grouped varints under zstd), 1.24-1.49× the bound. Deltas that use ctx or
+# groups do not invert (they rank by the old exponents): rollback then takes an anchor.
 ENCODE_PROFILES: dict[str, EncodePolicy] = {
     "compact": EncodePolicy(),
     "grouped": EncodePolicy(ctx=False),

@@ -1,7 +1,7 @@
 """Chunk frames: a self-describing, checksummed container of segments (see spec.md).
 
-    header   32 bytes   magic, format version, flags, segment count, body lengths
-    table    48 bytes × segment count
+    header   32 bytes   magic, format version, flags, segment count, table and body lengths
+    table    version 2: one varint record per segment (~10-14 bytes); version 1: 48 bytes each
     body     zstd-1 (or raw) of: every segment's position stream, then every value stream
     trailer  8 bytes    xxh3-64 of everything before it
 
@@ -23,16 +23,23 @@ import zstandard
 
 from ..codec.coding import Op, Positions, Values, check_coding, parse_enum
 from ..codec.segment import Segment
-from ..errors import ChecksumError, FormatError, FormatVersionError, LimitError
+from ..errors import ChecksumError, FormatError, FormatVersionError, LimitError, UsageError
 
 MAGIC = b"WHCK"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what writers emit unless told otherwise
+READ_VERSIONS = (1, 2)
 FLAG_ZSTD = 1
 
-_HEADER = struct.Struct("<4sHHIIQQ")  # magic, version, flags, nseg, reserved, raw_len, stored_len
-_SEGMENT = struct.Struct("<IBBBBQQQQQ")  # tensor, op, pos, val, reserved, start, stop, count, plen, vlen
+# magic, version, flags, nseg, table_len (version 2; reserved in version 1), raw_len, stored_len
+_HEADER = struct.Struct("<4sHHIIQQ")
+# version 1 record: tensor, op, pos, val, reserved, start, stop, count, plen, vlen
+_SEGMENT = struct.Struct("<IBBBBQQQQQ")
 _TRAILER = struct.Struct("<Q")
 assert _HEADER.size == 32 and _SEGMENT.size == 48
+# version 2 record: varint tensor, one coding byte, varints start, n − 1, count, plen, vlen
+_V2_FIELDS = 6
+MIN_RECORD_V2 = 1 + _V2_FIELDS  # every varint at its shortest
+MAX_RECORD_V2 = 1 + 10 * _V2_FIELDS
 
 MAX_SEGMENTS = 1 << 20
 MAX_BODY_BYTES = 4 << 30  # decompressed body of one chunk
@@ -50,13 +57,14 @@ def body_bound(words: list[tuple[int, int]], frame_size: int, *, full: bool) -> 
     what is wrong). A delta's segment spends, per element of its range at most, one position
     varint, one value (a W-byte word or a varint) and, with exponent-grouped positions, one
     (key, count) pair of varints (a group holds at least one element), plus one varint (the
-    group count) per segment, of which the frame's table holds at most frame_size / 48.
+    group count) per segment, of which the frame's table holds at most frame_size / 7 (the
+    shortest version-2 record).
     """
     if full:
         total = sum(n * w for n, w in words) + frame_size
     else:
         total = sum(n * (3 * MAX_VARINT_BYTES + max(w, MAX_VARINT_BYTES)) for n, w in words)
-        total += MAX_VARINT_BYTES * (frame_size // _SEGMENT.size)
+        total += MAX_VARINT_BYTES * (frame_size // MIN_RECORD_V2)
     return min(total, MAX_BODY_BYTES)
 
 
@@ -65,16 +73,21 @@ class ChunkFrame:
     segments: tuple[Segment, ...]
 
 
-def encode_chunk(segments: list[Segment], *, compress: bool | None = None) -> bytes:
+def encode_chunk(segments: list[Segment], *, compress: bool | None = None,
+                 version: int = FORMAT_VERSION) -> bytes:
     """Serialize segments into one chunk frame.
 
     compress: zstd the body; None (the default) does unless nearly all of it is context-coded
     streams, which are already at their entropy and would only cost zstd's time.
+    version: 2 (varint segment records, the default) or 1, for receivers older than version 2
+    during a rolling upgrade (records of 48 bytes: 5% of a delta of a model with many small
+    tensors at a low change rate).
     """
-    table = bytearray()
-    for s in segments:
-        table += _SEGMENT.pack(s.tensor, s.op, s.positions, s.values, 0, s.start, s.stop,
-                               s.count, s.pos_bytes.size, s.val_bytes.size)
+    if version not in READ_VERSIONS:
+        raise UsageError(f"chunk frame version {version!r}: writers emit {READ_VERSIONS}")
+    table = _table_v2(segments) if version == 2 else b"".join(
+        _SEGMENT.pack(s.tensor, s.op, s.positions, s.values, 0, s.start, s.stop, s.count,
+                      s.pos_bytes.size, s.val_bytes.size) for s in segments)
     streams = [s.pos_bytes for s in segments] + [s.val_bytes for s in segments]
     raw_len = sum(x.size for x in streams)
     if raw_len > MAX_BODY_BYTES:
@@ -92,10 +105,83 @@ def encode_chunk(segments: list[Segment], *, compress: bool | None = None) -> by
         body = b"".join(parts)
     else:
         body = b"".join(x.tobytes() for x in streams)
-    header = _HEADER.pack(MAGIC, FORMAT_VERSION, FLAG_ZSTD if compress else 0, len(segments), 0,
-                          raw_len, len(body))
-    out = b"".join((header, bytes(table), body))
+    header = _HEADER.pack(MAGIC, version, FLAG_ZSTD if compress else 0, len(segments),
+                          len(table) if version == 2 else 0, raw_len, len(body))
+    out = b"".join((header, table, body))
     return out + _TRAILER.pack(xxhash.xxh3_64_intdigest(out))
+
+
+def _table_v2(segments: list[Segment]) -> bytes:
+    out = bytearray()
+    for s in segments:
+        values = (s.start, s.stop - s.start - 1, s.count, s.pos_bytes.size, s.val_bytes.size)
+        if not (0 <= s.tensor < 1 << 32 and s.stop < 1 << 64 and min(values) >= 0
+                and 1 <= s.op <= 4 and 0 <= s.positions < 8 and 0 <= s.values < 8):
+            raise OverflowError(f"segment of tensor {s.tensor} [{s.start}, {s.stop}) count "
+                                f"{s.count} coding {s.op}/{s.positions}/{s.values}: a field "
+                                "outside what a version-2 record holds")
+        _put_varint(out, s.tensor)
+        out.append((s.op - 1) | s.positions << 2 | s.values << 5)
+        for v in values:
+            _put_varint(out, v)
+    return bytes(out)
+
+
+def _put_varint(out: bytearray, v: int) -> None:
+    while v >= 0x80:
+        out.append((v & 0x7F) | 0x80)
+        v >>= 7
+    out.append(v)
+
+
+def _records_v1(mv: memoryview, nseg: int) -> list[tuple[int, ...]]:
+    return [_SEGMENT.unpack_from(mv, _HEADER.size + i * _SEGMENT.size) for i in range(nseg)]
+
+
+def _records_v2(table: bytes, nseg: int, where: str) -> list[tuple[int, ...]]:
+    """The version-2 table as version-1 record tuples; strict (spec §1 "Segment table, v2")."""
+    out: list[tuple[int, ...]] = []
+    off = 0
+    for i in range(nseg):
+        tensor, off = _get_varint(table, off, where, i)
+        if off >= len(table):
+            raise FormatError(f"{where} segment {i}: the segment table ends inside the record")
+        coding = table[off]
+        off += 1
+        start, off = _get_varint(table, off, where, i)
+        n_minus_1, off = _get_varint(table, off, where, i)
+        count, off = _get_varint(table, off, where, i)
+        plen, off = _get_varint(table, off, where, i)
+        vlen, off = _get_varint(table, off, where, i)
+        if start + n_minus_1 + 1 >= 1 << 64 or tensor >= 1 << 32:
+            raise FormatError(f"{where} segment {i}: tensor {tensor} or range end "
+                              f"{start + n_minus_1 + 1} out of the format's range (u32, u64)")
+        out.append((tensor, (coding & 3) + 1, (coding >> 2) & 7, coding >> 5, 0, start,
+                    start + n_minus_1 + 1, count, plen, vlen))
+    if off != len(table):
+        raise FormatError(f"{where}: {len(table) - off} bytes left in the segment table after "
+                          f"{nseg} records")
+    return out
+
+
+def _get_varint(buf: bytes, off: int, where: str, i: int) -> tuple[int, int]:
+    """One table varint: at most 10 bytes, below 2^64, shortest form (a reader refuses others)."""
+    v = shift = 0
+    for k in range(MAX_VARINT_BYTES):
+        if off + k >= len(buf):
+            raise FormatError(f"{where} segment {i}: the segment table ends inside a varint")
+        b = buf[off + k]
+        if k and b == 0:
+            raise FormatError(f"{where} segment {i}: a varint in the segment table is not in its "
+                              "shortest form")
+        v |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            if v >= 1 << 64:
+                break
+            return v, off + k + 1
+    raise FormatError(f"{where} segment {i}: a varint in the segment table is over 10 bytes or "
+                      "above 2^64 − 1")
 
 
 def _check_record(op: Op, positions: Positions, values: Values, n: int, count: int, plen: int,
@@ -119,12 +205,12 @@ def decode_chunk(buf: bytes | memoryview, *, where: str, max_body: int = MAX_BOD
     if mv.nbytes < _HEADER.size + _TRAILER.size:
         raise FormatError(f"{where}: truncated chunk ({mv.nbytes} bytes, header needs "
                           f"{_HEADER.size + _TRAILER.size})")
-    magic, version, flags, nseg, _reserved, raw_len, stored_len = _HEADER.unpack_from(mv, 0)
+    magic, version, flags, nseg, table_len, raw_len, stored_len = _HEADER.unpack_from(mv, 0)
     if magic != MAGIC:
         raise FormatError(f"{where}: not a weighthub chunk (magic {bytes(magic)!r})")
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS:
         raise FormatVersionError(f"{where}: chunk format version {version}; this build reads "
-                                 f"{FORMAT_VERSION}: upgrade weighthub")
+                                 f"{', '.join(map(str, READ_VERSIONS))}: upgrade weighthub")
     (stored_sum,) = _TRAILER.unpack_from(mv, mv.nbytes - _TRAILER.size)
     computed = xxhash.xxh3_64_intdigest(mv[: mv.nbytes - _TRAILER.size])
     if stored_sum != computed:
@@ -134,19 +220,25 @@ def decode_chunk(buf: bytes | memoryview, *, where: str, max_body: int = MAX_BOD
         raise FormatError(f"{where}: unknown chunk flags {flags:#x}")
     if nseg > MAX_SEGMENTS:
         raise LimitError(f"{where}: {nseg} segments, limit {MAX_SEGMENTS}")
-    table_end = _HEADER.size + nseg * _SEGMENT.size
+    if version == 1:
+        table_len = nseg * _SEGMENT.size  # the field is reserved (ignored) in version 1
+    elif not MIN_RECORD_V2 * nseg <= table_len <= MAX_RECORD_V2 * nseg:
+        raise FormatError(f"{where}: a segment table of {table_len} bytes cannot hold {nseg} "
+                          f"records ({MIN_RECORD_V2}..{MAX_RECORD_V2} bytes each)")
+    table_end = _HEADER.size + table_len
     if table_end + stored_len + _TRAILER.size != mv.nbytes:
         raise FormatError(f"{where}: lengths do not add up: header {_HEADER.size} + table "
-                          f"{nseg}×{_SEGMENT.size} + body {stored_len} + trailer != {mv.nbytes}")
+                          f"{table_len} + body {stored_len} + trailer != {mv.nbytes}")
     if raw_len > max_body:
         raise LimitError(f"{where}: body of {raw_len} bytes exceeds the limit {max_body} (the "
                          "format's, or what the chunk's coverage in its manifest admits); "
                          "refused before decompressing: the chunk is hostile or corrupt, "
                          "republish it")
+    records = (_records_v1(mv, nseg) if version == 1
+               else _records_v2(bytes(mv[_HEADER.size: table_end]), nseg, where))
     heads = []
     total = 0
-    for i in range(nseg):
-        f = _SEGMENT.unpack_from(mv, _HEADER.size + i * _SEGMENT.size)
+    for i, f in enumerate(records):
         tensor, op, pos, val, _r, start, stop, count, plen, vlen = f
         seg_where = f"{where} segment {i}"
         op_e = Op(parse_enum(Op, op, seg_where))

@@ -88,6 +88,9 @@ class PublishOptions:
         if not isinstance(self.policy, EncodePolicy):
             raise UsageError(f"publisher option policy={self.policy!r} is not an EncodePolicy: "
                              "pass one (weighthub.codec.EncodePolicy or an ENCODE_PROFILES entry)")
+        if self.policy.frame_version not in (1, 2):
+            raise UsageError(f"EncodePolicy(frame_version={self.policy.frame_version!r}): chunk "
+                             "frames are version 2, or 1 for receivers older than version 2")
 
     def is_anchor(self, version: int) -> bool:
         """Does `version` get a full representation besides its delta?"""

@@ -109,7 +109,7 @@ def write_chunks(stream: Stream, shards: dict[str, Shard], base: Baseline | None
                 covers += piece.covers()
             segments += segs
             changes.append((piece.tensor, change))
-        frame = encode_chunk(segments)
+        frame = encode_chunk(segments, version=stream.policy.frame_version)
         key = f"{stream.prefix}/{stream.leaf}c{i:06d}.whc"
         with lock:
             keys.append(key)
