@@ -13,6 +13,7 @@ import struct
 import numpy as np
 import pytest
 import xxhash
+from test_format import golden_segments
 
 from weighthub.codec import Op, Positions, Segment, Values
 from weighthub.errors import FormatError, UnknownCodecError, UsageError
@@ -21,15 +22,6 @@ from weighthub.format import decode_chunk, encode_chunk
 
 WHERE = "memory://t/v000000000001/c000007.whc"
 HEADER = struct.Struct("<4sHHIIQQ")
-
-
-def golden_segments() -> list[Segment]:
-    dense = np.array([1, 2, 0x8000, 0xFFFF], "<u2").view(np.uint8).copy()
-    return [
-        Segment(0, 0, 4, Op.DENSE, Positions.ALL, Values.RAW, 4, np.empty(0, np.uint8), dense),
-        Segment(1, 8, 16, Op.XOR, Positions.GAPS, Values.VARINT, 2,
-                np.array([1, 3], np.uint8), np.array([0x01, 0x80, 0x01], np.uint8)),
-    ]
 
 
 GOLDEN_V2 = bytes.fromhex(
