@@ -10,17 +10,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# shellcheck source=scripts/gpu_env.sh
+source scripts/gpu_env.sh
 {
   python -V; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python -c "import torch, numba; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'numba', numba.__version__)"
 } 2>&1 | tee "$out/machine.txt"
-if [ -d .gpu-wheels ]; then  # what the machine lacks, from the carried wheels (no index there)
-  for pkg in zstandard msgspec xxhash safetensors hypothesis sortedcontainers pytest_timeout; do
-    python -c "import $pkg" 2>/dev/null && continue
-    pip install -q --no-index --no-deps --find-links .gpu-wheels "${pkg//_/-}" 2>&1 | tail -1
-  done
-fi
 rc=0
 python -m pytest -q -p no:cacheprovider -m gpu tests/unit 2>&1 | tee "$out/gpu-tests.log" || rc=1
 python -m weighthub.cli bench gpu --json "$out/bench-gpu.json" 2>&1 | tee "$out/bench-gpu.log" \

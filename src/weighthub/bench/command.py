@@ -62,6 +62,9 @@ def add_parser(sub: Any) -> None:
     suites.add_parser("gpu", help="the device backend on Llama-3-8B-shaped bf16 states: copy, "
                       "scan and digest GB/s, publish and receive times, device memory",
                       add_arguments=_gpu_arguments)
+    suites.add_parser("logra", help="LoGRA vs fused AdamW training steps on Llama shapes (--gpu): "
+                      "peak memory, step time, predicted vs realized KL, largest model per budget",
+                      add_arguments=_logra_arguments)
 
 
 def _shaped_arguments(p: argparse.ArgumentParser) -> None:
@@ -91,6 +94,12 @@ def _gpu_arguments(p: argparse.ArgumentParser) -> None:
 
     gpu.add_arguments(p)
     p.set_defaults(func=gpu.cmd_gpu)
+
+
+def _logra_arguments(p: argparse.ArgumentParser) -> None:
+    from . import logra_gpu
+
+    logra_gpu.add_arguments(p)
 
 
 def _progress(t0: float) -> runner.Progress:

@@ -16,7 +16,8 @@ those of one group (δ is linear in d, so the per-group δ's add up).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch.func import functional_call, jvp
@@ -73,7 +74,8 @@ class KLProbe:
     @torch.no_grad()
     def logits(self) -> torch.Tensor:
         """The policy's fp32 logits on the probe batch, now."""
-        with sdpa_kernel(SDPBackend.MATH):  # same kernel as the JVP pass: comparable numbers
+        # same kernel as the JVP pass: comparable numbers
+        with sdpa_kernel(SDPBackend.MATH), _eval_mode(self.model):
             return self._logits(self.model(self.input_ids, **self._kwargs())).float()
 
     @torch.no_grad()
@@ -98,7 +100,7 @@ class KLProbe:
         base: torch.Tensor | None = None
         delta: torch.Tensor | None = None
         # forward-mode AD has no flash/efficient SDPA kernel on CPU; the math kernel is composite
-        with sdpa_kernel(SDPBackend.MATH):
+        with sdpa_kernel(SDPBackend.MATH), _eval_mode(self.model):
             for i in range(0, len(directions), size):
                 group = directions[i:i + size]
                 primals = {n: params[n].detach() for n, _ in group}
@@ -114,6 +116,20 @@ class KLProbe:
     def realized(self, before: torch.Tensor) -> float:
         """Exact mean per-token KL(p_before ‖ p_now) on the probe's scored tokens."""
         return token_kl(before, self.logits(), self.mask)
+
+
+@contextmanager
+def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """The probe's passes in eval mode, then each module's own mode back: the policy's
+    distribution without dropout, and no gradient checkpointing inside the JVP (a training-mode
+    Hugging Face model checkpoints its layers, which forward-mode AD cannot trace)."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 def quadratic_kl(logits: torch.Tensor, delta: torch.Tensor, mask: torch.Tensor) -> float:

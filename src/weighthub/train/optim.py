@@ -18,6 +18,19 @@ Before applying, an optional `KLProbe` predicts the KL the step would cause (a J
 estimate) and scales it by α so the prediction stays under `kl_target`; after applying it
 measures the realized KL. A non-finite gradient skips the whole step: weights and moments stay
 bit-identical, accumulators are cleared and the skip is reported in the returned `StepStats`.
+
+On a GPU the step is a fixed number of batched kernels, not a loop over parameters: sketched
+weights are stacked by shape (`sketch.Bucket`: one moment update per shape, the reconstruction's
+rank-1 terms once per chunk of several weights), the dense group runs foreach AdamW (`dense`),
+and the non-finite check is one fused kernel read back once: the step's only host sync without
+a KL probe (the probe needs its predicted KL on the host to choose α, and syncs again for it).
+
+All or nothing: `step` first *prepares* (new moments, U, the reconstruction's workspace, the
+dense buffers, the KL prediction: every allocation of the step), then *commits* (writes into
+existing memory only). An out-of-memory error while preparing leaves weights, gradients and
+optimizer state bit-identical and says so; the commit allocates no device memory. Only the
+realized-KL measurement runs after the commit: if it runs out of memory the step stays applied
+and `StepStats.realized_kl_error` says why there is no realized KL.
 """
 
 from __future__ import annotations
@@ -26,14 +39,19 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..errors import UsageError
+from .checks import check_one_device, check_settings, check_sketchable
+from .counters import COUNTERS, counter
+from .dense import DenseAdamW, DensePrepared
 from .kl import Direction, KLProbe, step_scale
-from .projection import apply_low_rank, fp32, rademacher
-from .record import DenseRecord, SketchRecord, UpdateRecord
+from .projection import fp32, scaled_update
+from .record import DenseRecord, SketchRecord, StepStats, UpdateRecord
+from .sketch import Prepared, buckets, workspace
 
 log = logging.getLogger(__name__)
 
@@ -41,22 +59,12 @@ NamedParams = Iterable[tuple[str, torch.nn.Parameter]]
 
 
 @dataclass(slots=True)
-class StepStats:
-    """What one `LoGRA.step()` did (also appended to `LoGRA.history`)."""
+class _Record:
+    """A step's UpdateRecord while it is being made: base digests, buffers for dense values."""
 
-    step: int  # 1-based count of step() calls
-    applied: bool
-    skipped_reason: str | None = None
-    alpha: float = 1.0
-    predicted_kl_full: float | None = None  # predicted KL at α = 1
-    predicted_kl: float | None = None  # predicted KL at the applied α (= α²·full)
-    realized_kl: float | None = None
-    refreshed: bool = False  # the projections were redrawn after this step
-    seconds: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, object]:
-        return asdict(self)
+    update: UpdateRecord
+    base: dict[int, bytes]  # id(parameter) → digest before the step
+    values: list[torch.Tensor]  # preallocated copies of the dense group's new values
 
 
 class LoGRA(torch.optim.Optimizer):
@@ -75,20 +83,27 @@ class LoGRA(torch.optim.Optimizer):
         update_dtype: dtype the sketch-space update U is rounded to before it is applied
             (bf16 halves compact sync payloads; the trainer applies the same rounded U).
         record_updates: keep the last applied update as an `UpdateRecord` (`last_update`) for
-            compact sync; costs a digest pass and a copy of the dense group's new values.
+            compact sync; costs a digest pass and a copy of the dense group's new values (and,
+            on a GPU, copies of the updated weights to the host for their digests).
+        dense_state_dtype: dtype of the dense group's Adam moments (torch.bfloat16 halves them).
 
     Raises:
         UsageError: a non-2-D or non-fp32 sketched parameter, rank out of range, a parameter in
-            both groups, kl_target ≤ 0 or non-finite, or other out-of-range settings.
+            both groups, parameters on more than one device, kl_target ≤ 0 or non-finite, or
+            other out-of-range settings.
     """
 
     def __init__(self, sketched: NamedParams, dense: NamedParams = (), *, rank: int, lr: float = 1e-5,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, refresh_every: int = 200, seed: int = 0,
                  kl_target: float | None = None, kl_probe: KLProbe | None = None,
-                 update_dtype: torch.dtype = torch.float32, record_updates: bool = False) -> None:
+                 update_dtype: torch.dtype = torch.float32, record_updates: bool = False,
+                 dense_state_dtype: torch.dtype = torch.float32) -> None:
         sk, dn = list(sketched), list(dense)
-        _check_settings(rank, lr, betas, eps, weight_decay, refresh_every, kl_target, update_dtype)
+        check_settings(rank, lr, betas, eps, weight_decay, refresh_every, kl_target, update_dtype)
+        if dense_state_dtype not in (torch.float32, torch.bfloat16):
+            raise UsageError(f"dense_state_dtype must be torch.float32 or torch.bfloat16, got "
+                             f"{dense_state_dtype}")
         seen: dict[int, str] = {}
         for name, p in sk + dn:
             if id(p) in seen:
@@ -96,11 +111,13 @@ class LoGRA(torch.optim.Optimizer):
                                  "give each parameter to exactly one group")
             seen[id(p)] = name
         for name, p in sk:
-            _check_sketchable(name, p, rank)
+            check_sketchable(name, p, rank)
         if not sk and not dn:
             raise UsageError("LoGRA got no parameters")
+        check_one_device(sk + dn)
         groups = [{"params": [p for _, p in g], "sketch": s}
                   for g, s in ((sk, True), (dn, False)) if g]
+        groups[0].update(dict.fromkeys(COUNTERS, 0))  # see `counters`
         super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.rank, self.seed, self.refresh_every = rank, seed, refresh_every
         self.kl_target, self.kl_probe = kl_target, kl_probe
@@ -108,21 +125,22 @@ class LoGRA(torch.optim.Optimizer):
         self.names = {id(p): n for n, p in sk + dn}
         self.sketched = [p for _, p in sk]
         self.dense = [p for _, p in dn]
-        self.epoch = 0  # refresh epoch of the current projections
-        self.steps = 0  # step() calls
-        self.applied_steps = 0
         self.history: list[StepStats] = []
         self.last_update: UpdateRecord | None = None
         self.peak_transient_grad_bytes = 0  # largest dense p.grad a hook saw (freed at once)
+        self.buckets = buckets(sk, rank, seed)
+        self._dense = DenseAdamW(self.dense, self.state, dense_state_dtype)
         self._hooks = []
-        for p in self.sketched:
-            st = self.state[p]
-            st["P"] = rademacher(seed, self.names[id(p)], 0, p.shape[1], rank).to(p.device)
-            st["S"] = torch.zeros(p.shape[0], rank, device=p.device)
-            st["M"] = torch.zeros(p.shape[0], rank, device=p.device)
-            st["V"] = torch.zeros(p.shape[0], device=p.device)
-            st["m_t"], st["v_t"] = 0, 0  # bias-correction counts (M restarts on refresh)
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._fold))
+        for bk in self.buckets:
+            for i, p in enumerate(bk.params):
+                self.state[p].update(P=bk.P[i], S=bk.S[i], M=bk.M[i], V=bk.V[i])  # views
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._fold))
+
+    steps = counter("steps")  # step() calls
+    applied_steps = counter("applied_steps")
+    epoch = counter("epoch")  # refresh epoch of the current projections
+    m_t = counter("m_t")  # sketch-space bias-correction counts (M restarts on refresh)
+    v_t = counter("v_t")
 
     # -- gradient folding -------------------------------------------------------------------
 
@@ -143,11 +161,27 @@ class LoGRA(torch.optim.Optimizer):
             h.remove()
         self._hooks.clear()
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load as torch does, then copy each sketched weight's P, S, M, V into its bucket (the
+        step reads the stacked buckets; loaded tensors would otherwise be ignored)."""
+        super().load_state_dict(state_dict)
+        self._dense.state = self.state  # torch replaces the state dict itself
+        # a checkpoint from before the counters were saved kept m_t/v_t per sketched weight
+        older = self.state[self.sketched[0]] if self.sketched else {}
+        for key in COUNTERS:
+            self.param_groups[0].setdefault(key, older.get(key, 0))
+        for bk in self.buckets:
+            for i, p in enumerate(bk.params):
+                st = self.state[p]
+                for key, buf in (("P", bk.P), ("S", bk.S), ("M", bk.M), ("V", bk.V)):
+                    buf[i].copy_(st[key])
+                    st[key] = buf[i]
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear dense gradients and the sketch accumulators."""
         super().zero_grad(set_to_none)
-        for p in self.sketched:
-            self.state[p]["S"].zero_()
+        for bk in self.buckets:
+            bk.S.zero_()
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -155,44 +189,82 @@ class LoGRA(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> StepStats:  # type: ignore[override]
         """Apply one update from the accumulated sketches and dense gradients.
 
-        Returns the step's `StepStats` (skipped steps included). Raises UsageError if kl_target
-        is set but no kl_probe is.
+        Returns the step's `StepStats` (skipped steps included; `seconds` is host time: the
+        commit's kernels may still be running on a GPU when it returns).
+
+        Raises:
+            UsageError: kl_target is set but no kl_probe is.
+            torch.OutOfMemoryError: the device ran out of memory while the step was prepared;
+                weights, gradients and optimizer state are unchanged (step() may be retried).
         """
         if closure is not None:
             with torch.enable_grad():
                 closure()
         t0 = time.perf_counter()
-        self.steps += 1
         if self.kl_target is not None and self.kl_probe is None:
             raise UsageError("kl_target is set but no kl_probe: give LoGRA(kl_probe=KLProbe(...))")
-        bad = self._first_nonfinite()
-        if bad is not None:
+        self.steps += 1
+        try:
+            plan = self._prepare()
+        except torch.OutOfMemoryError as exc:
+            self.steps -= 1
+            raise torch.OutOfMemoryError(
+                f"LoGRA step {self.steps + 1} ran out of device memory while preparing the update "
+                f"({exc}); nothing was applied: weights, gradients and optimizer state are "
+                "unchanged. Free memory (a smaller batch or KL probe, sketch_embeddings=True, "
+                "dense_state_dtype=torch.bfloat16) and call step() again, or zero_grad() to drop "
+                "this step") from exc
+        if isinstance(plan, StepStats):  # skipped
             self.zero_grad()
-            stats = StepStats(self.steps, False, f"non-finite gradient in '{bad}'; step skipped, "
-                              "weights and optimizer state untouched")
-            log.warning("LoGRA step %d: %s", self.steps, stats.skipped_reason)
-            return self._done(stats, t0)
-        directions = self._directions()  # moments advance here: the gradient was finite
-        stats = StepStats(self.steps, True)
-        before = None
-        if self.kl_probe is not None:
-            full, before = self.kl_probe.predict(self._tangents(directions))
-            if not math.isfinite(full):
-                self.zero_grad()
-                stats = StepStats(self.steps, False, f"predicted KL is {full}; step skipped")
-                log.warning("LoGRA step %d: %s", self.steps, stats.skipped_reason)
-                return self._done(stats, t0)
-            stats.alpha = step_scale(full, self.kl_target)
-            stats.predicted_kl_full, stats.predicted_kl = full, full * stats.alpha ** 2
-        self._apply(directions, stats.alpha)
-        self.applied_steps += 1
+            log.warning("LoGRA step %d: %s", self.steps, plan.skipped_reason)
+            return self._done(plan, t0)
+        stats, sketch, dense, record, before = plan
+        self._commit(stats, sketch, dense, record)
         if self.kl_probe is not None and before is not None:
-            stats.realized_kl = self.kl_probe.realized(before)
-        if self.refresh_every and self.applied_steps % self.refresh_every == 0:
-            self._refresh()
-            stats.refreshed = True
+            try:
+                stats.realized_kl = self.kl_probe.realized(before)
+            except torch.OutOfMemoryError as exc:  # the step is applied: report, do not fail
+                stats.realized_kl_error = f"out of device memory measuring it ({exc})"
+                log.warning("LoGRA step %d applied; realized KL not measured: %s", self.steps, exc)
         self.zero_grad()
         return self._done(stats, t0)
+
+    def _prepare(self) -> StepStats | tuple[StepStats, list[Prepared], DensePrepared,
+                                            _Record | None, torch.Tensor | None]:
+        """Everything the step allocates, nothing it mutates: a skip's StepStats, or the plan."""
+        bad = self._first_nonfinite()
+        if bad is not None:
+            return StepStats(self.steps, False, f"non-finite gradient in '{bad}'; step skipped, "
+                             "weights and optimizer state untouched")
+        stats = StepStats(self.steps, True)
+        sk = self._group(True)
+        prepared: list[Prepared] = []
+        if sk is not None:
+            (b1, b2), eps = sk["betas"], sk["eps"]
+            prepared = [bk.prepare(b1, b2, eps, self.m_t + 1, self.v_t + 1, self.update_dtype)
+                        for bk in self.buckets]
+        dense = self._dense.prepare()
+        before = None
+        if self.kl_probe is not None:
+            full, before = self.kl_probe.predict(self._tangents(prepared, dense))
+            if not math.isfinite(full):
+                return StepStats(self.steps, False, f"predicted KL is {full}; step skipped")
+            stats.alpha = step_scale(full, self.kl_target)
+            stats.predicted_kl_full, stats.predicted_kl = full, full * stats.alpha ** 2
+        if sk is not None:
+            coef = fp32(-stats.alpha * sk["lr"])
+            work = workspace(self.buckets)  # one, shared: buckets are applied one after another
+            for prep in prepared:
+                prep.uc, prep.work = scaled_update(prep.u, coef), work
+        record = None
+        if self.record_updates:
+            record = _Record(UpdateRecord(self.applied_steps + 1),
+                             {id(p): UpdateRecord.digest(p) for p in self.sketched + dense.params},
+                             [torch.empty_like(p) for p in dense.params])
+        return stats, prepared, dense, record, before
+
+    def _group(self, sketch: bool) -> dict[str, Any] | None:
+        return next((g for g in self.param_groups if g["sketch"] is sketch), None)
 
     def _done(self, stats: StepStats, t0: float) -> StepStats:
         stats.seconds = time.perf_counter() - t0
@@ -200,97 +272,95 @@ class LoGRA(torch.optim.Optimizer):
         return stats
 
     def _first_nonfinite(self) -> str | None:
-        """Name of the first parameter whose (sketched) gradient has a NaN or inf, else None."""
-        for p in self.sketched:  # a NaN/inf in G always reaches S (NaN·x = NaN, inf·±1 = ±inf)
-            if not bool(torch.isfinite(self.state[p]["S"]).all()):
-                return self.names[id(p)]
-        for p in self.dense:
-            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-                return self.names[id(p)]
-        return None
+        """Name of a parameter whose (sketched) gradient has a NaN or inf, else None.
 
-    def _directions(self) -> dict[torch.Tensor, torch.Tensor]:
-        """Advance the moments; return the unscaled update per parameter (U for sketched, d for dense)."""
-        out: dict[torch.Tensor, torch.Tensor] = {}
-        for group in self.param_groups:
-            b1, b2 = group["betas"]
-            eps = group["eps"]
-            for p in group["params"]:
-                st = self.state[p]
-                if group["sketch"]:
-                    s = st["S"]
-                    st["M"].mul_(b1).add_(s, alpha=1 - b1)
-                    st["V"].mul_(b2).add_(s.square().mean(dim=1), alpha=1 - b2)
-                    st["m_t"] += 1
-                    st["v_t"] += 1
-                    denom = (st["V"] / (1 - b2 ** st["v_t"])).sqrt_().add_(eps)
-                    u = (st["M"] / (1 - b1 ** st["m_t"])) / denom[:, None]
-                    out[p] = u.to(self.update_dtype).to(torch.float32)  # what is applied and sent
-                elif p.grad is not None:
-                    if "exp_avg" not in st:
-                        st["exp_avg"], st["exp_avg_sq"], st["t"] = (torch.zeros_like(p),
-                                                                    torch.zeros_like(p), 0)
-                    g = p.grad.to(p.dtype)
-                    st["t"] += 1
-                    st["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)
-                    st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
-                    denom = (st["exp_avg_sq"] / (1 - b2 ** st["t"])).sqrt_().add_(eps)
-                    out[p] = (st["exp_avg"] / (1 - b1 ** st["t"])) / denom
-        return out
+        One fused check (the multi-tensor kernel AMP's GradScaler uses, scaling by exactly 1)
+        and one host read, instead of a read per parameter; names are looked up only on failure.
+        A NaN/inf in G always reaches S (NaN·x = NaN, inf·±1 = ±inf).
+        """
+        tensors = [bk.S for bk in self.buckets] + [p.grad for p in self.dense if p.grad is not None]
+        if not tensors:
+            return None
+        found = torch.zeros(1, device=tensors[0].device)
+        one = torch.ones(1, device=found.device)
+        for dtype in {t.dtype for t in tensors}:
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                [t for t in tensors if t.dtype == dtype], found, one)
+        if not found.item():  # the step's one host sync without a KL probe
+            return None
+        for bk in self.buckets:
+            names = bk.nonfinite()
+            if names:
+                return names[0]
+        return next(self.names[id(p)] for p in self.dense
+                    if p.grad is not None and not bool(torch.isfinite(p.grad).all()))
 
-    def _tangents(self, directions: dict[torch.Tensor, torch.Tensor]) -> list[Direction]:
+    def _tangents(self, sketch: list[Prepared], dense: DensePrepared) -> list[Direction]:
         """The dense step at α = 1 per parameter, built lazily (one KL chunk at a time)."""
         out: list[Direction] = []
-        for group in self.param_groups:
-            lr, wd = group["lr"], group["weight_decay"]
-            for p in group["params"]:
-                if p not in directions:
-                    continue
-                d = directions[p]
-                if group["sketch"]:
-                    def make(p=p, d=d, lr=lr, wd=wd) -> torch.Tensor:
-                        return (d @ self.state[p]["P"].t()).mul_(-lr).sub_(p.detach(), alpha=lr * wd)
-                else:
-                    def make(p=p, d=d, lr=lr, wd=wd) -> torch.Tensor:
-                        return d.mul(-lr).sub_(p.detach(), alpha=lr * wd)
-                out.append((self.names[id(p)], make))
+        sk, dn = self._group(True), self._group(False)
+        if sk is not None:
+            lr, wd = sk["lr"], sk["weight_decay"]
+            for bk, prep in zip(self.buckets, sketch, strict=True):
+                for i, p in enumerate(bk.params):
+                    def make_sk(bk=bk, prep=prep, i=i, p=p) -> torch.Tensor:
+                        return bk.tangent_update(prep, i).mul_(-lr).sub_(p.detach(), alpha=lr * wd)
+                    out.append((self.names[id(p)], make_sk))
+        if dn is not None:
+            (b1, b2), eps, lr, wd = dn["betas"], dn["eps"], dn["lr"], dn["weight_decay"]
+            for i, p in enumerate(dense.params):
+                def make_dn(i=i, p=p) -> torch.Tensor:
+                    d = self._dense.tangent(dense, i, b1, b2, eps)
+                    return d.mul_(-lr).sub_(p.detach(), alpha=lr * wd)
+                out.append((self.names[id(p)], make_dn))
         return out
 
-    def _apply(self, directions: dict[torch.Tensor, torch.Tensor], alpha: float) -> None:
-        record = UpdateRecord(self.applied_steps + 1) if self.record_updates else None
-        for group in self.param_groups:
-            coef = fp32(-alpha * group["lr"])
-            decay = fp32(1.0 - alpha * group["lr"] * group["weight_decay"])
-            for p in group["params"]:
-                if p not in directions:
-                    continue
-                name, d = self.names[id(p)], directions[p]
-                base = record.digest(p) if record is not None else b""
-                if group["sketch"]:
-                    apply_low_rank(p.data, d, self.state[p]["P"], coef=coef, decay=decay)
-                    if record is not None:
-                        record.sketches.append(SketchRecord(
-                            name, tuple(p.shape), d.to(self.update_dtype).clone(), self.seed,
-                            self.epoch, coef, decay, base, record.digest(p)))
-                else:
-                    if decay != 1.0:
-                        p.data.mul_(decay)
-                    p.data.add_(d.mul_(coef))
-                    if record is not None:
-                        record.dense.append(DenseRecord(name, p.detach().clone(), base,
-                                                        record.digest(p)))
+    def _commit(self, stats: StepStats, sketch: list[Prepared], dense: DensePrepared,
+                record: _Record | None) -> None:
+        """Apply the prepared step: moments, weights, counts, refresh (no device allocation)."""
+        sk, dn = self._group(True), self._group(False)
+        if sk is not None:
+            decay = fp32(1.0 - stats.alpha * sk["lr"] * sk["weight_decay"])
+            for bk, prep in zip(self.buckets, sketch, strict=True):
+                bk.commit(prep, decay)
+            self.m_t += 1
+            self.v_t += 1
+        if dn is not None:
+            (b1, b2), eps = dn["betas"], dn["eps"]
+            self._dense.commit(dense, b1, b2, eps, fp32(-stats.alpha * dn["lr"]),
+                               fp32(1.0 - stats.alpha * dn["lr"] * dn["weight_decay"]))
         if record is not None:
-            self.last_update = record
+            self._record_after(record, sketch, dense, stats.alpha)
+        self.applied_steps += 1
+        if self.refresh_every and self.applied_steps % self.refresh_every == 0:
+            self._refresh()
+            stats.refreshed = True
+
+    def _record_after(self, rec: _Record, sketch: list[Prepared], dense: DensePrepared,
+                      alpha: float) -> None:
+        """Finish the step's UpdateRecord: the applied U, the dense values, digests after."""
+        up = rec.update
+        sk = self._group(True)
+        if sk is not None:
+            coef = fp32(-alpha * sk["lr"])
+            decay = fp32(1.0 - alpha * sk["lr"] * sk["weight_decay"])
+            for bk, prep in zip(self.buckets, sketch, strict=True):
+                for i, (name, p) in enumerate(zip(bk.names, bk.params, strict=True)):
+                    up.sketches.append(SketchRecord(name, tuple(p.shape), prep.u[i], self.seed,
+                                                    self.epoch, coef, decay, rec.base[id(p)],
+                                                    up.digest(p)))
+        for p, value in zip(dense.params, rec.values, strict=True):
+            value.copy_(p.detach())
+            up.dense.append(DenseRecord(self.names[id(p)], value, rec.base[id(p)], up.digest(p)))
+        self.last_update = up
 
     def _refresh(self) -> None:
         """New epoch: redraw every projection and restart the first moments (V is kept)."""
         self.epoch += 1
-        for p in self.sketched:
-            st = self.state[p]
-            st["P"] = rademacher(self.seed, self.names[id(p)], self.epoch, p.shape[1],
-                                 self.rank).to(p.device)
-            st["M"].zero_()
-            st["m_t"] = 0
+        for bk in self.buckets:
+            bk.draw(self.epoch)
+            bk.M.zero_()
+        self.m_t = 0
 
     # -- accounting -------------------------------------------------------------------------
 
@@ -303,12 +373,11 @@ class LoGRA(torch.optim.Optimizer):
         rep = {"sketch_projection": 0, "sketch_accumulator": 0, "sketch_moments": 0,
                "dense_moments": 0, "dense_grads": 0, "adamw_equivalent_sketched": 0,
                "peak_transient_grad": self.peak_transient_grad_bytes}
-        for p in self.sketched:
-            st = self.state[p]
-            rep["sketch_projection"] += st["P"].nbytes
-            rep["sketch_accumulator"] += st["S"].nbytes
-            rep["sketch_moments"] += st["M"].nbytes + st["V"].nbytes
-            rep["adamw_equivalent_sketched"] += 3 * p.numel() * 4
+        for bk in self.buckets:
+            rep["sketch_projection"] += bk.P.nbytes
+            rep["sketch_accumulator"] += bk.S.nbytes
+            rep["sketch_moments"] += bk.M.nbytes + bk.V.nbytes
+            rep["adamw_equivalent_sketched"] += 3 * sum(p.numel() for p in bk.params) * 4
         for p in self.dense:
             st = self.state[p]
             rep["dense_moments"] += sum(st[k].nbytes for k in ("exp_avg", "exp_avg_sq") if k in st)
@@ -316,31 +385,3 @@ class LoGRA(torch.optim.Optimizer):
         rep["sketched_total"] = (rep["sketch_projection"] + rep["sketch_accumulator"]
                                  + rep["sketch_moments"])
         return rep
-
-
-def _check_settings(rank: int, lr: float, betas: tuple[float, float], eps: float, wd: float,
-                    refresh_every: int, kl_target: float | None, update_dtype: torch.dtype) -> None:
-    if not isinstance(rank, int) or rank < 1:
-        raise UsageError(f"rank must be an integer >= 1, got {rank!r}")
-    if not (lr > 0 and math.isfinite(lr)):
-        raise UsageError(f"lr must be finite and > 0, got {lr}")
-    if not all(0.0 <= b < 1.0 for b in betas) or eps <= 0 or wd < 0 or refresh_every < 0:
-        raise UsageError(f"need 0 <= betas < 1, eps > 0, weight_decay >= 0, refresh_every >= 0; "
-                         f"got betas={betas}, eps={eps}, weight_decay={wd}, refresh_every={refresh_every}")
-    if kl_target is not None and not (kl_target > 0 and math.isfinite(kl_target)):
-        raise UsageError(f"kl_target must be a finite KL > 0 (nats per token), got {kl_target}; "
-                         "use None to turn step control off")
-    if update_dtype not in (torch.float32, torch.bfloat16):
-        raise UsageError(f"update_dtype must be torch.float32 or torch.bfloat16, got {update_dtype}")
-
-
-def _check_sketchable(name: str, p: torch.Tensor, rank: int) -> None:
-    if p.dim() != 2:
-        raise UsageError(f"sketched parameter '{name}' has shape {tuple(p.shape)}: only 2-D weights "
-                         "can be sketched; pass it in the dense group")
-    if p.dtype != torch.float32:
-        raise UsageError(f"sketched parameter '{name}' is {p.dtype}: LoGRA updates fp32 master "
-                         "weights; keep the master in fp32 and cast for inference")
-    if rank > min(p.shape):
-        raise UsageError(f"rank {rank} exceeds min(m, n) = {min(p.shape)} of '{name}' "
-                         f"{tuple(p.shape)}: lower the rank or put '{name}' in the dense group")

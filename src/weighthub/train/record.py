@@ -1,8 +1,9 @@
-"""What one applied LoGRA step changed, in the terms a compact-sync receiver needs to replay it."""
+"""What one LoGRA step did (`StepStats`) and what an applied one changed, in the terms a
+compact-sync receiver needs to replay it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -45,3 +46,23 @@ class UpdateRecord:
     @staticmethod
     def digest(t: torch.Tensor) -> bytes:
         return tensor_digest(t.detach().cpu())
+
+
+@dataclass(slots=True)
+class StepStats:
+    """What one `LoGRA.step()` did (also appended to `LoGRA.history`)."""
+
+    step: int  # 1-based count of step() calls
+    applied: bool
+    skipped_reason: str | None = None
+    alpha: float = 1.0
+    predicted_kl_full: float | None = None  # predicted KL at α = 1
+    predicted_kl: float | None = None  # predicted KL at the applied α (= α²·full)
+    realized_kl: float | None = None
+    refreshed: bool = False  # the projections were redrawn after this step
+    realized_kl_error: str | None = None  # why realized_kl is None although a probe is set
+    seconds: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
