@@ -90,7 +90,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of `weighthub bench logra`."""
     p.add_argument("--gpu", action="store_true",
                    help="training-step memory/speed/KL on Llama shapes (CPU fallback without CUDA)")
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="auto (default): CUDA when available, else the CPU variant")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: 16 GPU, 2 CPU)")
     p.add_argument("--ranks", default="16,64,256", metavar="R,R", help="LoGRA ranks (default 16,64,256)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per configuration (default 5)")
