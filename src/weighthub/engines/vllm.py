@@ -11,11 +11,19 @@ or in two steps, so that the refit pauses the engine only to apply, verify and c
     stage(llm)                         # latest version: fetch, check, decode; weights untouched
     refit(llm)                         # applies what was staged
 
-Each worker keeps a canonical mirror of the checkpoint (a StateDictTarget) that the Receiver
-brings to the version bit-exactly and verifies by digest. `_EngineTarget` wraps that mirror: at
-commit it pushes the tensors whose digests changed, expanded to whole fused groups, through vLLM's
-own loader (`vllm_engine.EnginePlacement`). If the push fails the Receiver rolls the mirror back
-and `abort` reloads the touched groups from it, so the engine keeps serving its previous version.
+Where the engine holds every canonical tensor as plain bits (GPU builds with unquantized weights;
+vLLM CPU with `WEIGHTHUB_VLLM_PLAIN_CPU_WEIGHTS=1`, `engines.vllm_plugin`), bind finds each
+tensor's parameter (or its rows of a fused one), checks its bits, and the Receiver applies every
+delta in place there: the pause is the sparse apply, the digest check and the commit, failures
+roll back through the undo log in the engine's memory, and no host copy of the model is kept
+(`in_place` in bind's result; `in_place_refused` says why not).
+
+Otherwise each worker keeps a canonical mirror of the checkpoint (a StateDictTarget) that the
+Receiver brings to the version bit-exactly and verifies by digest. `_EngineTarget` wraps that
+mirror: at commit it pushes the tensors whose digests changed, expanded to whole fused groups,
+through vLLM's own loader (`vllm_engine.EnginePlacement`). If the push fails the Receiver rolls
+the mirror back and `abort` reloads the touched groups from it, so the engine keeps serving its
+previous version.
 
 Only small values cross the RPC boundary (a store URL, a version, a dict of results); errors come
 back as {"error": class name, "message": ...} and `bind`/`stage`/`refit` re-raise them as the same
@@ -28,10 +36,10 @@ Limitations: with vLLM's multiprocess engine core `stage` is an RPC that runs on
 thread, so the engine does not step while it runs: it moves the fetch out of the refit, it does
 not overlap it with generation. An in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) can stage
 from another thread while it generates (`integrations.ray.rollout` does); a refit without
-a staged version stages inline (`stage_s` vs `pause_s` in the result); the mirror costs one host copy of the
-canonical model per worker; an exception raised inside vLLM's own layerwise reload may leave
-vLLM's reload bookkeeping half done, which the restore path has not been tested against (the
-restore is tested with a loader that fails between tensors).
+a staged version stages inline (`stage_s` vs `pause_s` in the result); the mirror (not in
+place) costs one host copy of the canonical model per worker; an exception raised inside vLLM's
+own layerwise reload may leave vLLM's reload bookkeeping half done, which the restore path has
+not been tested against (the restore is tested with a loader that fails between tensors).
 """
 
 from __future__ import annotations
@@ -67,16 +75,25 @@ EXTENSION = "weighthub.engines.vllm.WeighthubWorker"
 
 
 class _EngineTarget(TargetWrapper):
-    """The mirror as the Receiver's target; commit pushes into the engine, abort restores it.
-    Reads (held, specs, peek) and open are the mirror's (TargetWrapper)."""
+    """The canonical tensors as the Receiver's target, in one of two modes.
+
+    mirror    `mirror` is a host copy; commit pushes the changed tensors, expanded to whole
+              fused groups, through vLLM's loader; abort reloads them from the rolled-back mirror.
+    in place  `mirror` is a StateDictTarget over the engine's own parameters
+              (`EnginePlacement.plain_views`): the Receiver applies, verifies and rolls back in
+              the engine's memory, so commit only re-processes tied users (lm_head) and no host
+              copy of the model exists.
+    Reads (held, specs, peek) and open are the mirror's (TargetWrapper).
+    """
 
     def __init__(self, mirror: StateDictTarget, placement: EnginePlacement, store: Store,
-                 digests: dict[str, str]) -> None:
+                 digests: dict[str, str], *, in_place: bool = False) -> None:
         super().__init__(mirror)
         self.mirror = mirror  # typed: the engine pushes from its `state`
         self.placement = placement
         self.store = store
         self.digests = digests  # per-tensor digests of the committed version (from its manifest)
+        self.in_place = in_place
         self.report = PushReport()
         self._pushed: list[Group] = []
         self.vote: Vote | None = None  # a TP commit vote this transaction takes part in
@@ -85,7 +102,13 @@ class _EngineTarget(TargetWrapper):
         new = digests_of(self.store, held.version)
         changed = [n for n, d in new.items() if self.digests.get(n) != d]
         self._pushed = expand(changed, self.placement.groups)  # before pushing: abort restores
-        self.report = self.placement.push(changed, self.mirror.state)
+        if self.in_place:  # the engine's parameters already hold the verified new bits
+            t0 = time.perf_counter()
+            self.report = PushReport(paths=dict.fromkeys(changed, "in place"))
+            self.report.refreshed = self.placement.refresh_tied(self._pushed)
+            self.report.seconds = time.perf_counter() - t0
+        else:
+            self.report = self.placement.push(changed, self.mirror.state)
         if self.vote is not None:  # every rank pushed and verified: commit together or abort
             self.vote.reached_commit()
         self.mirror.commit(held)
@@ -97,13 +120,44 @@ class _EngineTarget(TargetWrapper):
         groups, self._pushed = self._pushed, []
         if not groups:
             return
-        try:  # the mirror already holds the previous version's bits again
-            self.placement.overwrite(groups, self.mirror.state)
+        try:  # the mirror (in place: the engine) already holds the previous version's bits again
+            if self.in_place:
+                self.placement.refresh_tied(groups)
+            else:
+                self.placement.overwrite(groups, self.mirror.state)
         except Exception as exc:
             raise errors.ApplyError(
                 f"restoring {len(groups)} group(s) of the engine to the previous version failed "
                 f"({type(exc).__name__}: {exc}); the engine may serve mixed weights: restart it"
             ) from exc
+
+    def overwrite_all(self, state: dict[str, torch.Tensor]) -> int:
+        """Every group through vLLM's loader from `state` (the committed bits); the group count.
+        In place, the views are then taken afresh: the loader may re-create parameters."""
+        groups = sorted(set(self.placement.groups.values()), key=lambda g: g.module)
+        self.placement.overwrite(groups, state)
+        if self.in_place:
+            views, why = self.placement.plain_views(state)
+            if not views:
+                raise errors.PlacementError(f"after vLLM's reload the engine no longer holds its "
+                                            f"weights as plain copies ({why}): bind it again")
+            self.mirror.state.update(views)
+        return len(groups)
+
+    def canonical_digests(self) -> tuple[dict[str, str], dict[str, str]]:
+        """Digests of the canonical view: (read back from the engine, from the mirror)."""
+        engine, mirror = {}, {}
+        for name, t in self.mirror.state.items():
+            view = t if self.in_place else self.placement.engine_view(name, t)
+            if view is not None:
+                engine[name] = _digest(view)
+            else:
+                mirror[name] = _digest(t)
+        return engine, mirror
+
+
+def _digest(t: torch.Tensor) -> str:
+    return digest_bits(bits(t if t.device.type == "cpu" else t.cpu())).hex()
 
 
 class WeighthubWorker:
@@ -228,14 +282,18 @@ class WeighthubWorker:
                                     xor=xor)
         check_same_bits(serving, mirror.state, what, f"version {held.version} of {store_url}")
         placement.verify(sorted(mirror.state), mirror.state)  # what it serves is that version
-        t0 = time.perf_counter()
-        placement.overwrite(sorted(set(placement.groups.values()), key=lambda g: g.module),
-                            mirror.state)
-        full_s = time.perf_counter() - t0
         target = _EngineTarget(mirror, placement, store, digests_of(store, held.version))
+        t0 = time.perf_counter()
+        target.overwrite_all(mirror.state)
+        full_s = time.perf_counter() - t0
+        views, why = placement.plain_views(mirror.state) if xor else ({}, "xor=False")
+        if views:  # apply in the engine's own memory; the host mirror is dropped
+            target = _EngineTarget(StateDictTarget(views, held), placement, store, target.digests,
+                                   in_place=True)
         self._weighthub = (Receiver(store, target, sources=sources), target)
         self._wh_staged = None  # staged against the previous binding's target
         return {"version": held.version, "root": held.root, "full_reload_s": full_s,
+                "in_place": target.in_place, "in_place_refused": why,
                 "xor": sorted(placement.xor_names), "groups": len(set(placement.groups.values()))}
 
     def _wh_receiver(self, store_url: str | None) -> tuple[Receiver, _EngineTarget]:
@@ -305,10 +363,12 @@ class WeighthubWorker:
 
     def _wh_full_reload(self) -> dict[str, Any]:
         _receiver, target = self._wh_bound()
-        groups = sorted(set(target.placement.groups.values()), key=lambda g: g.module)
+        # in place, the loader must not read the parameters it writes: feed a copy (untimed)
+        state = ({n: t.clone() for n, t in target.mirror.state.items()} if target.in_place
+                 else target.mirror.state)
         t0 = time.perf_counter()
-        target.placement.overwrite(groups, target.mirror.state)
-        return {"seconds": time.perf_counter() - t0, "groups": len(groups)}
+        groups = target.overwrite_all(state)
+        return {"seconds": time.perf_counter() - t0, "groups": groups}
 
     def _wh_sources_for(self, store: Store) -> SourceList:
         """This host's staging cache, then the peers, then `store`."""
@@ -330,37 +390,24 @@ class WeighthubWorker:
     def _wh_audit(self) -> dict[str, Any]:
         held = self._wh_held()
         _receiver, target = self._wh_bound()
-        mismatched = []
-        checked = 0
-        for name, t in target.mirror.state.items():
-            view = target.placement.engine_view(name, t)
-            if view is None:
-                continue
-            checked += 1
-            if digest_bits(bits(view)).hex() != target.digests[name]:
-                mismatched.append(name)
-        return held | {"checked": checked, "mismatched": sorted(mismatched)}
+        engine, _mirror = target.canonical_digests()
+        mismatched = [n for n, d in engine.items() if d != target.digests[n]]
+        return held | {"checked": len(engine), "mismatched": sorted(mismatched)}
 
     def _wh_load_state(self, state: dict[str, torch.Tensor]) -> dict[str, Any]:
         _receiver, target = self._wh_bound()
         check_same_bits(target.mirror.state, state, "the state given",
                          f"the committed version {target.held()}")
-        groups = sorted(set(target.placement.groups.values()), key=lambda g: g.module)
         t0 = time.perf_counter()
-        target.placement.overwrite(groups, state)
-        return {"seconds": time.perf_counter() - t0, "groups": len(groups),
+        groups = target.overwrite_all(state)
+        return {"seconds": time.perf_counter() - t0, "groups": groups,
                 "bytes": sum(t.numel() * t.element_size() for t in state.values())}
 
     def _wh_digests(self) -> dict[str, Any]:
         receiver, target = self._wh_bound()
-        out: dict[str, Any] = {"version": receiver.version, "engine": {}, "mirror": {}}
-        for name, t in target.mirror.state.items():
-            view = target.placement.engine_view(name, t)
-            if view is not None:
-                out["engine"][name] = digest_bits(bits(view)).hex()
-            else:
-                out["mirror"][name] = digest_bits(bits(t)).hex()
-        return out
+        engine, mirror = target.canonical_digests()
+        return {"version": receiver.version, "engine": engine, "mirror": mirror,
+                "in_place": target.in_place}
 
     def _wh_bound(self) -> tuple[Receiver, _EngineTarget]:
         state = getattr(self, "_weighthub", None)

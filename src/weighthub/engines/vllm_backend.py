@@ -1,8 +1,8 @@
 """weighthub as a vLLM weight-transfer backend: vLLM's own RL API refits the engine from a store.
 
 Select it when starting the engine; weighthub registers the name "weighthub" in every vLLM process
-through its `vllm.general_plugins` entry point (`register`; if `VLLM_PLUGINS` is set, it must
-list "weighthub")::
+through its `vllm.general_plugins` entry point (`engines.vllm_plugin`; if `VLLM_PLUGINS` is set,
+it must list "weighthub")::
 
     llm = LLM(ckpt_dir, weight_transfer_config={"backend": "weighthub"})  # or the CLI's
                                        # --weight-transfer-config.backend weighthub
@@ -17,8 +17,9 @@ version whose digests are the start-up checkpoint's), `xor`, `stage_dir` (see
 the bound store). Only these small values cross vLLM's RPCs: each worker pulls the chunks itself.
 
 Each `update_weights` is a whole weighthub refit (`WeighthubWorker.weighthub_refit`): the version
-is fetched and verified by digest into the worker's canonical mirror, the changed groups go
-through vLLM's layerwise reload, and the engine's plain parameters are read back. All or nothing:
+is fetched, applied and verified by digest, in the engine's own parameters where it keeps them
+plain (see `engines.vllm_plugin`), else into the worker's canonical mirror, whose changed groups
+then go through vLLM's layerwise reload and are read back. All or nothing:
 if it fails, the engine keeps serving its previous version and the error names it. So
 `start_weight_update` only checks the binding and `finish_weight_update` has nothing to flush;
 after a failed update vLLM ends the session itself (call `start_weight_update` again, not
@@ -28,7 +29,10 @@ Errors reach the driver as vLLM's `Exception("Call to update_weights method fail
 the messages start with "weighthub", and a failed update's names the weighthub error class.
 Limitations: the ranks of a tensor-parallel engine commit independently (one `update_weights`
 RPC leaves no room for the commit vote `engines.vllm.refit` runs); no draft-model updates; the
-encoder and multimodal caches are not reset (`reload_weights` does it; text models have none).
+encoder and multimodal caches are not reset (`reload_weights` does it; text models have none),
+nor is the prefix cache (KV blocks of the previous version): pause generation with
+`clear_cache=True`, or call `llm.reset_prefix_cache()` after `finish_weight_update`
+(`engines.vllm.refit` does it itself).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from vllm.distributed.weight_transfer.base import (
 from .. import errors
 from ..errors import ApplyError, UsageError, WeighthubError
 
-if TYPE_CHECKING:  # imported when vLLM creates the engine, not at plugin load: see `register`
+if TYPE_CHECKING:  # imported when vLLM creates the engine, not at plugin load: see `register_backend`
     from .vllm import WeighthubWorker
 
 BACKEND = "weighthub"
@@ -214,12 +218,13 @@ def digests(worker: Any) -> dict[str, Any]:
     return engine.digests()
 
 
-def register() -> None:
+def register_backend() -> None:
     """Register backend "weighthub" with vLLM's WeightTransferEngineFactory (idempotent).
 
-    The `vllm.general_plugins` entry point calls it in every vLLM process, before the workers
-    load the model; so importing this module must stay light: weighthub's machinery (its numba
-    digest kernels) is imported only when vLLM creates the engine. Loaded earlier, llvmlite sits
+    The `vllm.general_plugins` entry point (`vllm_plugin.register`) calls it in every vLLM
+    process, before the workers load the model; so importing this module must stay light:
+    weighthub's machinery (its numba digest kernels) is imported only when vLLM creates the
+    engine. Loaded earlier, llvmlite sits
     in sys.modules when vLLM's CPU worker scans every module to rebind its Triton kernel
     overrides, and that scan fails on llvmlite's function wrappers (vLLM 0.32)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory

@@ -38,6 +38,11 @@ def refit(llm: Any, version: int | None = None, *, store_url: str | None = None,
     The ranks vote (`engines.vote`): all commit, or all abort and keep serving the previous
     version. A rank left without a decision for `vote_timeout_s` aborts by itself.
 
+    After a commit that changed weights the engine's prefix cache is reset: its KV blocks were
+    computed by the previous version, and a prompt sharing a cached prefix would otherwise be
+    continued from them. `prefix_cache_reset` in the result is False where vLLM refused
+    (requests running): reset it yourself once they end.
+
     Raises:
         The weighthub error of the first rank that failed (every rank aborted).
     """
@@ -55,7 +60,10 @@ def refit(llm: Any, version: int | None = None, *, store_url: str | None = None,
         cls = _error_class(v.get("error", ""))
         raise cls(f"rank {rank} of {len(votes)}: {v.get('message', v)}; the vote aborted every "
                   "rank, which serve their previous version")
-    return _gather(results)
+    result = _gather(results)
+    if result.get("route"):  # weights changed
+        result["prefix_cache_reset"] = bool(llm.reset_prefix_cache())
+    return result
 
 
 def _gather(results: list[dict[str, Any]]) -> dict[str, Any]:

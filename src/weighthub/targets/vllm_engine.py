@@ -8,6 +8,10 @@ itself: every value goes through `reload_weights(weights_iterator=...)`, so fuse
 tensor-parallel slicing and the CPU backend's repacking stay vLLM's.
 
 Paths per tensor:
+    in place   the engine keeps every canonical tensor as plain bits (`plain_views`: GPU builds,
+               or vLLM CPU with `WEIGHTHUB_VLLM_PLAIN_CPU_WEIGHTS=1`): the receiver applies the
+               delta straight into those parameters, verifies and rolls back there; the loader
+               is not involved at all (`engines.vllm` then keeps no mirror)
     xor        the loader is fed the mask new ^ old; `LoaderCopies` turns its copy into the plain
                parameter into an in-place XOR (then read back and compared with the mirror)
     overwrite  the loader is fed the new canonical values of the whole group (fused or repacked
@@ -69,6 +73,7 @@ class EnginePlacement:
         self.model = model
         self.reload = reload
         packed = getattr(model, "packed_modules_mapping", None) or {}
+        self._packed: dict[str, list[str]] = dict(packed)
         modules = dict(model.named_modules())
         self.groups = plan_groups(names, packed, lambda m: m in modules)
         # canonical name → (module, parameter) where one engine parameter holds just that tensor;
@@ -89,11 +94,59 @@ class EnginePlacement:
     def engine_view(self, name: str, like: torch.Tensor) -> torch.Tensor | None:
         """The engine's bits for a canonical tensor that one parameter holds as a plain copy
         (rows may be padded); None where there is no such parameter (fused, repacked, emptied)."""
+        view = self._plain_param(name, like)
+        return view if view is not None and view.device.type == "cpu" else None
+
+    def plain_views(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], str]:
+        """The engine's own bits for every canonical tensor, or ({}, why not).
+
+        A tensor's view is its unfused parameter (rows may be padded), or its rows of a fused
+        parameter (parts stacked along dim 0 in `packed_modules_mapping` order, as vLLM's
+        unsharded fused layers hold them). Every view must hold exactly `state`'s bits, so a
+        parameter that was repacked, converted, transposed or sharded (tensor parallel) is never
+        taken for a plain one: all or nothing, the caller falls back to the loader path.
+        """
+        views: dict[str, torch.Tensor] = {}
+        for name, like in state.items():
+            group = self.groups[name]
+            view = (self._fused_view(group, name, state) if group.fused
+                    else self._plain_param(name, like, same_device=False))
+            if view is None:
+                return {}, (f"{name}: the engine does not hold it as a plain copy (repacked, "
+                            "converted or sharded)")
+            as_int = INT_BY_WIDTH[like.element_size()]
+            if not torch.equal(view.view(as_int), like.to(view.device).view(as_int)):
+                return {}, f"{name}: the engine's parameter holds other bits than the canonical"
+            views[name] = view
+        return views, ""
+
+    def _plain_param(self, name: str, like: torch.Tensor, *,
+                     same_device: bool = True) -> torch.Tensor | None:
         p = self._param(name)
         if p is None or p.dtype != like.dtype or p.shape[1:] != like.shape[1:] \
-                or p.shape[0] < like.shape[0] or p.device.type != "cpu":
+                or p.shape[0] < like.shape[0] or (same_device and p.device != like.device):
             return None
         return p[: like.shape[0]]
+
+    def _fused_view(self, group: Group, name: str, state: dict[str, torch.Tensor]
+                    ) -> torch.Tensor | None:
+        parent, _, leaf = group.module.rpartition(".")
+        prefix = f"{parent}." if parent else ""
+        param = name.rpartition(".")[2]
+        fused = self._packed[leaf]
+        parts = [state[f"{prefix}{part}.{param}"] for part in fused]
+        p = self.model.get_submodule(group.module)._parameters.get(param)
+        like = state[name]
+        if p is None or p.ndim == 0 or not p.is_contiguous() or p.dtype != like.dtype \
+                or p.shape[0] != sum(t.shape[0] for t in parts) \
+                or any(t.shape[1:] != p.shape[1:] for t in parts):
+            return None
+        start = 0
+        for part, t in zip(fused, parts, strict=True):
+            if f"{prefix}{part}.{param}" == name:
+                return p.data[start:start + t.shape[0]]
+            start += t.shape[0]
+        return None  # pragma: no cover - name is one of its group's parts
 
     # -- push / restore -------------------------------------------------------------------------
     def push(self, changed: Iterable[str], state: dict[str, torch.Tensor]) -> PushReport:
@@ -123,7 +176,7 @@ class EnginePlacement:
         if redo:  # not a plain copy after all: overwrite those groups (old bits do not matter)
             again = expand(redo, self.groups)
             self._run([(n, state[n]) for g in again for n in g.names], set())
-        report.refreshed = self._refresh_tied(groups)
+        report.refreshed = self.refresh_tied(groups)
         self.verify(names, state)
         report.seconds = time.perf_counter() - t0
         return report
@@ -131,7 +184,7 @@ class EnginePlacement:
     def overwrite(self, groups: list[Group], state: dict[str, torch.Tensor]) -> None:
         """Reload whole groups with `state`'s values (restore after a failed push)."""
         self._run([(n, state[n]) for g in groups for n in g.names], set())
-        self._refresh_tied(groups)
+        self.refresh_tied(groups)
         self.verify([n for g in groups for n in g.names], state)
 
     def verify(self, names: Iterable[str], state: dict[str, torch.Tensor]) -> None:
@@ -157,7 +210,7 @@ class EnginePlacement:
                                  "publish the served model's checkpoint names")
         return rec
 
-    def _refresh_tied(self, groups: list[Group]) -> list[str]:
+    def refresh_tied(self, groups: list[Group]) -> list[str]:
         """Re-process modules sharing a weight with an updated module (tied lm_head).
 
         vLLM's layerwise reload processes a shared tensor only through its first owner; the
@@ -179,7 +232,7 @@ def _copies_only(module: torch.nn.Module) -> bool:
 
     Modules without a quant method (norms) read their weights as loaded. vLLM's plain
     embedding looks rows up in its weight; the CPU GEMM handle its processing builds is used only
-    by a tied lm_head, which `_refresh_tied` rebuilds from the real weight. Linear layers repack.
+    by a tied lm_head, which `refresh_tied` rebuilds from the real weight. Linear layers repack.
     """
     method = getattr(module, "quant_method", None)
     return method is None or type(module).__name__ == "VocabParallelEmbedding"

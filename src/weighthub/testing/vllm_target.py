@@ -3,10 +3,11 @@
 The engine target (`engines.vllm._EngineTarget`) lives in vLLM's worker, where pytest cannot
 reach; the driver sends `run_engine_target_kit` there with `collective_rpc` and gets the kit's
 outcomes back as plain strings (`run_kit`). Each check gets its own engine target over a copy of
-the bound mirror, pushing into the real engine through the bound placement, and commits versions
+the bound mirror, pushing into the real engine through the bound placement (bound in place: over
+the engine's own parameters, reset to what they served), and commits versions
 that the kit publishes into a scratch memory store (the engine target reads the committed
-version's manifest digests at commit). Afterwards every group of the engine is reloaded from the
-bound mirror, so the engine serves what it served before (the driver checks its outputs).
+version's manifest digests at commit). Afterwards every group of the engine is reloaded from a
+copy of what it served, so the engine serves what it served before (the driver checks its outputs).
 
     results = llm.collective_rpc(run_engine_target_kit)[0]   # {check: 'passed' | ...}
 """
@@ -44,9 +45,17 @@ def run_engine_target_kit(worker: Any) -> dict[str, str]:
     publisher = Publisher(scratch)
     specs = {s.name: s for s in specs_of(bound.mirror.state)}
 
+    served = {n: t.clone() for n, t in bound.mirror.state.items()}  # restored afterwards
+
     class EngineTargetTests(TargetTests):
         def make_target(self) -> Target:
-            mirror = StateDictTarget({n: t.clone() for n, t in bound.mirror.state.items()},
+            if bound.in_place:  # over the engine's own parameters, reset to what it served
+                views = bound.mirror.state
+                for name, view in views.items():
+                    view.copy_(served[name])
+                return _EngineTarget(StateDictTarget(views, bound.mirror.held()), bound.placement,
+                                     scratch, dict(bound.digests), in_place=True)
+            mirror = StateDictTarget({n: t.clone() for n, t in served.items()},
                                      bound.mirror.held())
             return _EngineTarget(mirror, bound.placement, scratch, dict(bound.digests))
 
@@ -61,9 +70,8 @@ def run_engine_target_kit(worker: Any) -> dict[str, str]:
 
     try:
         return run_kit(EngineTargetTests())
-    finally:  # the kit's versions were pushed into the engine: serve the bound version again
-        groups = sorted(set(bound.placement.groups.values()), key=lambda g: g.module)
-        bound.placement.overwrite(groups, bound.mirror.state)
+    finally:  # the kit's versions reached the engine: serve the bound version again
+        bound.overwrite_all(served)
 
 
 def _tensor(spec: TensorSpec, words: np.ndarray) -> torch.Tensor:

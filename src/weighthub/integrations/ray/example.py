@@ -45,6 +45,14 @@ def _s(v: float | None) -> str:
     return "      -" if v is None else f"{v:7.3f}"
 
 
+def _refit_path(bound: list[dict[str, Any]]) -> str:
+    """How the engines refit: in their own memory, or through vLLM's loader (and why)."""
+    if all(b.get("in_place") for b in bound):
+        return "in place"
+    why = next((b.get("in_place_refused") for b in bound if not b.get("in_place")), "")
+    return f"through vLLM's loader ({why})"
+
+
 def summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over the steps after the first (the first pays start-up costs)."""
     rows = steps[1:] or steps
@@ -72,7 +80,8 @@ def main(args: argparse.Namespace) -> int:
     config = RLConfig(model="smollm2", store_url=store, work_dir=str(work), steps=args.steps,
                       engines=args.engines, prompts=args.prompts, samples=args.samples,
                       max_tokens=args.max_tokens, lr=args.lr, lag=args.lag, encode=args.encode,
-                      seed=args.seed, baseline=not args.no_baseline)
+                      seed=args.seed, baseline=not args.no_baseline,
+                      plain_cpu_weights=args.plain_cpu_weights)
     t0 = time.perf_counter()
     if args.address:
         import ray
@@ -88,8 +97,9 @@ def _run(config: RLConfig, work: Path, args: argparse.Namespace, t0: float) -> i
     try:
         started = loop.start()
         print(f"cluster up, {len(sync.spec.nodes)} node daemons, hub {sync.spec.hub}; v0 published "
-              f"in {started['initial']['publish_s']:.2f} s; {config.engines} engines bound "
-              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+              f"in {started['initial']['publish_s']:.2f} s; {config.engines} engines bound, "
+              f"refitting {_refit_path(started['bound'])} ({time.perf_counter() - t0:.0f} s)",
+              flush=True)
         print(HEADER, flush=True)
         steps = loop.run(on_row=lambda row: print(format_row(row), flush=True))
         probe = loop.probe(config.steps) if config.lag == 0 else None
@@ -98,6 +108,7 @@ def _run(config: RLConfig, work: Path, args: argparse.Namespace, t0: float) -> i
         sync.close()
     s = summary(steps)
     result = {"config": {k: v for k, v in dataclasses.asdict(config).items() if k != "engine_args"},
+              "in_place": [bool(b.get("in_place")) for b in started["bound"]],
               "steps": steps, "summary": s, "probe": probe, "seconds": time.perf_counter() - t0}
     if args.json:  # first: a report that fails to print loses no figure
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))

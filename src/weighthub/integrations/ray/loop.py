@@ -47,6 +47,7 @@ class RLConfig:
     seed: int = 0
     baseline: bool = True
     probe: bool = True  # measure generation throughput with and without a staging in flight
+    plain_cpu_weights: bool = False  # vLLM CPU without oneDNN packing: refits apply in place
     engine_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -102,7 +103,8 @@ class GRPOLoop:
         a generation (both guarded inside the actor)."""
         return _pinned(VLLMRollout, node, num_cpus=0, max_concurrency=2, max_restarts=2).remote(
             f"engine{i}", self.initial["checkpoint"], sync=self.sync.spec,
-            version=self.initial["version"], **args)
+            version=self.initial["version"], plain_cpu_weights=self.config.plain_cpu_weights,
+            **args)
 
     def ensure_engines(self, *, timeout: float = 300.0) -> list[int]:
         """Wait for every rollout actor to answer (one Ray is restarting re-attaches itself and

@@ -17,3 +17,7 @@ def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     p.add_argument("--encode", choices=["fast", "compact", "grouped"], default="fast",
                    help="the publisher's encode profile (default fast: loopback links)")
     p.add_argument("--no-baseline", action="store_true", help="skip the object-store route")
+    p.add_argument("--plain-cpu-weights", action="store_true",
+                   help="vLLM CPU keeps linear weights plain (no oneDNN packing), so refits apply "
+                        "in place in the engines' memory instead of reloading through vLLM's "
+                        "loader; generation uses torch's slower CPU GEMM")

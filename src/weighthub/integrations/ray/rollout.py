@@ -25,6 +25,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ...engines.vllm import EXTENSION, bind, refit, stage
+from ...engines.vllm_plugin import keep_cpu_weights_plain
 from ...errors import AttestationError, UsageError
 from .attest import Attestation
 from .spec import SyncSpec
@@ -182,14 +183,20 @@ class VLLMRollout(RolloutEngine):
         sync: attach to this group at start-up, serving `version` (the checkpoint's), then
             refit to the newest version: an actor that Ray restarts (`max_restarts`) comes back
             attached and current, with nothing for the driver to do.
+        plain_cpu_weights: on vLLM CPU, keep linear weights as loaded instead of packing them
+            for oneDNN (`engines.vllm_plugin`): refits then apply in place in the engine's
+            memory, and generation uses torch's CPU GEMM. GPU builds keep them plain anyway.
         engine_args: more `vllm.LLM` keyword arguments (max_model_len, dtype, ...).
     """
 
     def __init__(self, name: str, checkpoint: str, *, sync: SyncSpec | None = None,
-                 version: int | None = None, **engine_args: Any) -> None:
+                 version: int | None = None, plain_cpu_weights: bool = False,
+                 **engine_args: Any) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # staging overlaps generate
         from vllm import LLM
 
+        if plain_cpu_weights:  # in-process engine: this process loads the model
+            keep_cpu_weights_plain()
         self.name = name
         with _vllm_scan_safe():
             self.llm = LLM(checkpoint, worker_extension_cls=EXTENSION, **engine_args)
