@@ -19,7 +19,7 @@ roll back through the undo log in the engine's memory, and no host copy of the m
 (`in_place` in bind's result; `in_place_refused` says why not).
 
 Otherwise each worker keeps a canonical mirror of the checkpoint (a StateDictTarget) that the
-Receiver brings to the version bit-exactly and verifies by digest. `_EngineTarget` wraps that
+Receiver brings to the version bit-exactly and verifies by digest. `EngineTarget` wraps that
 mirror: at commit it pushes the tensors whose digests changed, expanded to whole fused groups,
 through vLLM's own loader (`vllm_engine.EnginePlacement`). If the push fails the Receiver rolls
 the mirror back and `abort` reloads the touched groups from it, so the engine keeps serving its
@@ -50,114 +50,24 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import errors
 from ..cluster.peers import HolderSource
-from ..digest import digest_bits
 from ..errors import UsageError, WeighthubError
 from ..net.auth import MIN_SECRET_BYTES
 from ..receive import Receiver, Staged
 from ..sources import ChunkSource, SourceList, StoreSource
 from ..sources.staging import StagingSource
 from ..store import Store, open_store
-from ..targets.base import Held, TargetWrapper
 from ..targets.safetensors_file import load_checkpoint
 from ..targets.state_dict import StateDictTarget
 from ..targets.vllm_engine import EnginePlacement, PushReport
-from ..targets.vllm_placement import Group, expand
-from ..tensors import bits
 from .vllm_checks import check_same_bits, digests_of, find_version
 from .vllm_driver import bind, refit, stage
+from .vllm_target import EngineTarget
 from .vote import FAILED, Vote
 
 __all__ = ["EXTENSION", "WeighthubWorker", "bind", "refit", "stage"]
 
 EXTENSION = "weighthub.engines.vllm.WeighthubWorker"
-
-
-class _EngineTarget(TargetWrapper):
-    """The canonical tensors as the Receiver's target, in one of two modes.
-
-    mirror    `mirror` is a host copy; commit pushes the changed tensors, expanded to whole
-              fused groups, through vLLM's loader; abort reloads them from the rolled-back mirror.
-    in place  `mirror` is a StateDictTarget over the engine's own parameters
-              (`EnginePlacement.plain_views`): the Receiver applies, verifies and rolls back in
-              the engine's memory, so commit only re-processes tied users (lm_head) and no host
-              copy of the model exists.
-    Reads (held, specs, peek) and open are the mirror's (TargetWrapper).
-    """
-
-    def __init__(self, mirror: StateDictTarget, placement: EnginePlacement, store: Store,
-                 digests: dict[str, str], *, in_place: bool = False) -> None:
-        super().__init__(mirror)
-        self.mirror = mirror  # typed: the engine pushes from its `state`
-        self.placement = placement
-        self.store = store
-        self.digests = digests  # per-tensor digests of the committed version (from its manifest)
-        self.in_place = in_place
-        self.report = PushReport()
-        self._pushed: list[Group] = []
-        self.vote: Vote | None = None  # a TP commit vote this transaction takes part in
-
-    def commit(self, held: Held) -> None:
-        new = digests_of(self.store, held.version)
-        changed = [n for n, d in new.items() if self.digests.get(n) != d]
-        self._pushed = expand(changed, self.placement.groups)  # before pushing: abort restores
-        if self.in_place:  # the engine's parameters already hold the verified new bits
-            t0 = time.perf_counter()
-            self.report = PushReport(paths=dict.fromkeys(changed, "in place"))
-            self.report.refreshed = self.placement.refresh_tied(self._pushed)
-            self.report.seconds = time.perf_counter() - t0
-        else:
-            self.report = self.placement.push(changed, self.mirror.state)
-        if self.vote is not None:  # every rank pushed and verified: commit together or abort
-            self.vote.reached_commit()
-        self.mirror.commit(held)
-        self.digests = new
-        self._pushed = []
-
-    def abort(self) -> None:
-        self.mirror.abort()
-        groups, self._pushed = self._pushed, []
-        if not groups:
-            return
-        try:  # the mirror (in place: the engine) already holds the previous version's bits again
-            if self.in_place:
-                self.placement.refresh_tied(groups)
-            else:
-                self.placement.overwrite(groups, self.mirror.state)
-        except Exception as exc:
-            raise errors.ApplyError(
-                f"restoring {len(groups)} group(s) of the engine to the previous version failed "
-                f"({type(exc).__name__}: {exc}); the engine may serve mixed weights: restart it"
-            ) from exc
-
-    def overwrite_all(self, state: dict[str, torch.Tensor]) -> int:
-        """Every group through vLLM's loader from `state` (the committed bits); the group count.
-        In place, the views are then taken afresh: the loader may re-create parameters."""
-        groups = sorted(set(self.placement.groups.values()), key=lambda g: g.module)
-        self.placement.overwrite(groups, state)
-        if self.in_place:
-            views, why = self.placement.plain_views(state)
-            if not views:
-                raise errors.PlacementError(f"after vLLM's reload the engine no longer holds its "
-                                            f"weights as plain copies ({why}): bind it again")
-            self.mirror.state.update(views)
-        return len(groups)
-
-    def canonical_digests(self) -> tuple[dict[str, str], dict[str, str]]:
-        """Digests of the canonical view: (read back from the engine, from the mirror)."""
-        engine, mirror = {}, {}
-        for name, t in self.mirror.state.items():
-            view = t if self.in_place else self.placement.engine_view(name, t)
-            if view is not None:
-                engine[name] = _digest(view)
-            else:
-                mirror[name] = _digest(t)
-        return engine, mirror
-
-
-def _digest(t: torch.Tensor) -> str:
-    return digest_bits(bits(t if t.device.type == "cpu" else t.cpu())).hex()
 
 
 class WeighthubWorker:
@@ -167,7 +77,7 @@ class WeighthubWorker:
     vLLM refuses an extension with a name its worker class already has.
     """
 
-    _weighthub: tuple[Receiver, _EngineTarget]
+    _weighthub: tuple[Receiver, EngineTarget]
     _wh_staged: tuple[str | None, Receiver, Staged] | None  # (store_url asked for, by, staged)
     _wh_sources: tuple[str | None, tuple[str, ...], bytes]  # bind's stage_dir, peers, secret
     _wh_vote: Vote | None  # the refit prepared by weighthub_prepare, awaiting its decision
@@ -282,13 +192,13 @@ class WeighthubWorker:
                                     xor=xor)
         check_same_bits(serving, mirror.state, what, f"version {held.version} of {store_url}")
         placement.verify(sorted(mirror.state), mirror.state)  # what it serves is that version
-        target = _EngineTarget(mirror, placement, store, digests_of(store, held.version))
+        target = EngineTarget(mirror, placement, store, digests_of(store, held.version))
         t0 = time.perf_counter()
         target.overwrite_all(mirror.state)
         full_s = time.perf_counter() - t0
         views, why = placement.plain_views(mirror.state) if xor else ({}, "xor=False")
         if views:  # apply in the engine's own memory; the host mirror is dropped
-            target = _EngineTarget(StateDictTarget(views, held), placement, store, target.digests,
+            target = EngineTarget(StateDictTarget(views, held), placement, store, target.digests,
                                    in_place=True)
         self._weighthub = (Receiver(store, target, sources=sources), target)
         self._wh_staged = None  # staged against the previous binding's target
@@ -296,7 +206,7 @@ class WeighthubWorker:
                 "in_place": target.in_place, "in_place_refused": why,
                 "xor": sorted(placement.xor_names), "groups": len(set(placement.groups.values()))}
 
-    def _wh_receiver(self, store_url: str | None) -> tuple[Receiver, _EngineTarget]:
+    def _wh_receiver(self, store_url: str | None) -> tuple[Receiver, EngineTarget]:
         receiver, target = self._wh_bound()
         if store_url is not None:
             store = open_store(store_url)
@@ -409,7 +319,7 @@ class WeighthubWorker:
         return {"version": receiver.version, "engine": engine, "mirror": mirror,
                 "in_place": target.in_place}
 
-    def _wh_bound(self) -> tuple[Receiver, _EngineTarget]:
+    def _wh_bound(self) -> tuple[Receiver, EngineTarget]:
         state = getattr(self, "_weighthub", None)
         if state is None:
             raise UsageError("this vLLM worker is not bound to a store: call bind(llm, store_url) "

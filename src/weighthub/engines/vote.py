@@ -12,7 +12,7 @@
               received after that: so a commit never reaches a rank that has already aborted
 
 A `Vote` is one rank's side. The transaction runs on a thread of its own (the RPC that prepares
-must return while the commit waits); `_EngineTarget.commit` calls `reached_commit` after its
+must return while the commit waits); `EngineTarget.commit` calls `reached_commit` after its
 push, so a no raises inside the transaction and the receive engine's rollback undoes it.
 """
 

@@ -1,6 +1,6 @@
 """`TargetTests` on a vLLM engine's target, run inside the engine's worker process.
 
-The engine target (`engines.vllm._EngineTarget`) lives in vLLM's worker, where pytest cannot
+The engine target (`engines.vllm_target.EngineTarget`) lives in vLLM's worker, where pytest cannot
 reach; the driver sends `run_engine_target_kit` there with `collective_rpc` and gets the kit's
 outcomes back as plain strings (`run_kit`). Each check gets its own engine target over a copy of
 the bound mirror, pushing into the real engine through the bound placement (bound in place: over
@@ -37,7 +37,7 @@ def run_engine_target_kit(worker: Any) -> dict[str, str]:
     Raises:
         UsageError: the worker is not bound to a store (`bind(llm, url)` first).
     """
-    from ..engines.vllm import _EngineTarget
+    from ..engines.vllm_target import EngineTarget
     from ..publish import Publisher
 
     _receiver, bound = worker._wh_bound()
@@ -53,11 +53,11 @@ def run_engine_target_kit(worker: Any) -> dict[str, str]:
                 views = bound.mirror.state
                 for name, view in views.items():
                     view.copy_(served[name])
-                return _EngineTarget(StateDictTarget(views, bound.mirror.held()), bound.placement,
+                return EngineTarget(StateDictTarget(views, bound.mirror.held()), bound.placement,
                                      scratch, dict(bound.digests), in_place=True)
             mirror = StateDictTarget({n: t.clone() for n, t in served.items()},
                                      bound.mirror.held())
-            return _EngineTarget(mirror, bound.placement, scratch, dict(bound.digests))
+            return EngineTarget(mirror, bound.placement, scratch, dict(bound.digests))
 
         def model_specs(self) -> list[TensorSpec]:
             return list(specs.values())
