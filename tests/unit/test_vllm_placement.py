@@ -147,9 +147,9 @@ def test_overlapping_copies_are_not_xored_twice() -> None:
 
 
 def test_a_failed_push_restores_the_engine_and_the_mirror() -> None:
-    """Receiver + _EngineTarget: the loader fails midway through v1; the engine is put back."""
+    """Receiver + EngineTarget: the loader fails midway through v1; the engine is put back."""
     from weighthub import catalog
-    from weighthub.engines.vllm import _EngineTarget
+    from weighthub.engines.vllm_target import EngineTarget
     from weighthub.errors import ApplyError
     from weighthub.publish import Publisher
     from weighthub.receive import Receiver
@@ -180,7 +180,7 @@ def test_a_failed_push_restores_the_engine_and_the_mirror() -> None:
     placement = EnginePlacement(model, flaky, sorted(s0))
     placement.overwrite(sorted(set(placement.groups.values()), key=lambda g: g.module), s0)
     digests = {e.name: e.digest for e in catalog.primary_manifest(store, 0).tensors}
-    rx = Receiver(store, _EngineTarget(mirror, placement, store, digests))
+    rx = Receiver(store, EngineTarget(mirror, placement, store, digests))
     calls.update(n=0, fail_at=3)  # after two tensors of v1 reached the engine
     with pytest.raises(ApplyError, match="loader died"):
         rx.sync(1)
