@@ -18,6 +18,7 @@ would breach its memory bound and deadline).
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
@@ -139,8 +140,8 @@ def _warm_codec() -> float:
 
 
 def _warm_ctx(old: Any, new: Any, dtype: Any) -> None:
-    """The context coder's kernels for this word width: encode, decode while staging, apply with
-    and without digest sums, for both ops (on the first 256 elements: few enough exponent
+    """The context coders' kernels (ctx and ans) for this word width: encode, decode while
+    staging, apply with and without digest sums, for both ops (on the first 256 elements: few enough exponent
     groups for any dtype, spec §2)."""
     import numpy as np
     import torch
@@ -152,10 +153,10 @@ def _warm_ctx(old: Any, new: Any, dtype: Any) -> None:
 
     old, new = old[:256], new[:256]
     pos = np.flatnonzero(old != new)
-    for op in (Op.XOR, Op.ADD):
-        streams = ctx_streams(old, pos, old[pos], new[pos], dtype, op)
+    for op, coding in itertools.product((Op.XOR, Op.ADD), (Positions.CTX, Positions.ANS)):
+        streams = ctx_streams(old, pos, old[pos], new[pos], dtype, op, coding)
         assert streams is not None
-        seg = Segment(0, 0, old.size, op, Positions.CTX, Values.CTX, int(pos.size), *streams)
+        seg = Segment(0, 0, old.size, op, coding, Values[coding.name], int(pos.size), *streams)
         staged_old_digest(seg, old, dtype, "warm-up")
         regap_segment(seg, old, dtype, "warm-up")
         decode_segment(seg, torch.from_numpy(old.view(_SIGNED[dtype.width])), dtype, "warm-up")

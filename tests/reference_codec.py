@@ -10,12 +10,13 @@ from __future__ import annotations
 import numpy as np
 
 from bit_patterns import random_bits
+from reference_ans import ref_ans
 from reference_ctx import ref_ctx
 from weighthub.codec import Op, Positions, Segment, Values
 from weighthub.tensors import DType
 
-OP_FOR = {Values.VARINT: Op.XOR, Values.ZIGZAG: Op.ADD, Values.RAW: Op.OVERWRITE, Values.CTX: Op.XOR}
-
+OP_FOR = {Values.VARINT: Op.XOR, Values.ZIGZAG: Op.ADD, Values.RAW: Op.OVERWRITE, Values.CTX: Op.XOR,
+          Values.ANS: Op.XOR}
 
 
 def leb128(v: int) -> bytes:
@@ -102,9 +103,9 @@ def ref_segment(old: np.ndarray, new: np.ndarray, dtype: DType, positions: Posit
     """A segment of every changed word, coded as forced; op defaults to the values' usual one."""
     op = OP_FOR[values] if op is None else op
     pos = np.flatnonzero(old != new)
-    if positions == Positions.CTX:
+    if positions in (Positions.CTX, Positions.ANS):
         z = dict(zip(pos.tolist(), ref_entries(old, new, pos, op, dtype), strict=True))
-        pb, vb = ref_ctx(old, pos, z, dtype)
+        pb, vb = (ref_ctx if positions == Positions.CTX else ref_ans)(old, pos, z, dtype)
         return Segment(0, start, start + old.size, op, positions, values, int(pos.size), u8(pb), u8(vb))
     if positions == Positions.GAPS:
         pb = ref_gaps(pos)

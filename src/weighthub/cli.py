@@ -65,7 +65,8 @@ def cmd_publish(args: argparse.Namespace) -> int:
     store = open_store_of(args)
     if hub is not None:
         _check_hub(hub, store)
-    policy = replace(ENCODE_PROFILES[args.encode], frame_version=args.frame_version)
+    policy = replace(ENCODE_PROFILES[args.encode], frame_version=args.frame_version,
+                     coder=args.context_coder)
     pub = Publisher(store, anchor_every=args.anchor_every, skip_every=args.skip_every,
                     retain=args.retain, policy=policy)
     r = pub.publish(state)
@@ -247,13 +248,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--retain", type=int, default=0, metavar="N",
                    help="keep only the N newest versions (0: keep all)")
     s.add_argument("--encode", choices=sorted(ENCODE_PROFILES), default="compact",
-                   help="'compact' (default): positions and values range-coded in context of the "
-                        "old exponents, the fewest bytes; 'grouped': exponent-grouped varints under "
+                   help="'compact' (default): positions and values entropy-coded in context of "
+                        "the old exponents, the fewest bytes; 'grouped': exponent-grouped varints under "
                         "zstd, faster encode; 'fast': plain gaps, fastest encode and staging, most "
                         "bytes (fast links)")
     s.add_argument("--frame-version", type=int, choices=(1, 2), default=2,
                    help="chunk frame version to write: 2 (default; compact segment tables) or 1, "
                         "while some receivers run a weighthub that reads only version 1 (a rolling upgrade)")
+    s.add_argument("--context-coder", choices=("ans", "range"), default="ans",
+                   help="entropy coder of 'compact' segments: ans (default; rANS, several times "
+                        "faster to encode) or range, while some receivers run a weighthub older than "
+                        "the ans coding (a rolling upgrade)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--hub", default=None, metavar="HOST:PORT",
                    help="after the commit, announce the version to this hub (`weighthub serve hub`) "

@@ -96,15 +96,16 @@ def segment(draw: Any, dtype_index: int) -> Any:
         if dtype.width < 8 else rng.integers(1, 1 << 63, pos.size, dtype=np.uint64)
     new[pos] ^= flips.astype(dtype.uint)
     op, values = draw(st.sampled_from(_CODINGS))
-    choices = [Positions.GAPS, Positions.BITMAP] + ([Positions.GROUPS, Positions.CTX, Positions.CTX]
-                                                    if dtype.is_float else [])
+    choices = [Positions.GAPS, Positions.BITMAP] + ([Positions.GROUPS, Positions.CTX, Positions.ANS,
+                                                     Positions.ANS] if dtype.is_float else [])
     positions = draw(st.sampled_from(choices))
     streams = None
-    if positions == Positions.CTX:  # both streams range-coded: xor or add only
+    if positions in (Positions.CTX, Positions.ANS):  # both streams entropy-coded: xor or add only
         from weighthub.codec.ctx import ctx_streams
 
-        op, values = (op, Values.CTX) if op in (Op.XOR, Op.ADD) else (Op.XOR, Values.CTX)
-        streams = ctx_streams(old, pos, old[pos], new[pos], dtype, op)
+        context_values = Values[positions.name]
+        op, values = (op, context_values) if op in (Op.XOR, Op.ADD) else (Op.XOR, context_values)
+        streams = ctx_streams(old, pos, old[pos], new[pos], dtype, op, positions)
         if streams is None:  # more exponent groups than ctx models (f64): a writer codes groups
             positions, values = Positions.GROUPS, dict(_CODINGS)[op]
     if streams is not None:

@@ -127,14 +127,15 @@ def segments(data: bytes) -> object:
     return applied
 
 
-CTX_HEADER = struct.Struct("<BBIHH")  # dtype (float index), op, count, n, pos_len
+CTX_HEADER = struct.Struct("<BBIHH")  # dtype (float index), op | coding, count, n, pos_len
+CTX_ADD, CTX_ANS = 1, 2  # the op byte's bits: add (else xor); the ans coding (else ctx)
 
 
 def ctx(data: bytes) -> object:
-    """[CTX_HEADER][positions stream][values stream]: a context-coded segment of n elements
-    decoded against `base_words` (codec.ctx.decode_ctx, what staging runs), then applied and
-    rolled back. Beyond the contract: a decode never writes its base, and whatever decodes
-    applies and rolls back bit for bit.
+    """[CTX_HEADER][positions stream][values stream]: a context-coded segment (ctx or ans) of n
+    elements decoded against `base_words` (codec.ctx.decode_ctx, what staging runs), then
+    applied and rolled back. Beyond the contract: a decode never writes its base, and whatever
+    decodes applies and rolls back bit for bit.
     """
     if len(data) < CTX_HEADER.size:
         return None
@@ -142,7 +143,8 @@ def ctx(data: bytes) -> object:
     dtype = FLOAT_DTYPES[di % len(FLOAT_DTYPES)]
     streams = np.frombuffer(data[CTX_HEADER.size:], np.uint8).copy()
     n = max(n, 1)
-    seg = Segment(0, 0, n, Op.ADD if op & 1 else Op.XOR, Positions.CTX, Values.CTX, count,
+    coding = Positions.ANS if op & CTX_ANS else Positions.CTX
+    seg = Segment(0, 0, n, Op.ADD if op & CTX_ADD else Op.XOR, coding, Values[coding.name], count,
                   streams[:pos_len], streams[pos_len:])
     check_coding(seg.op, seg.positions, seg.values, "fuzz ctx", is_float=True)
     if count > n:

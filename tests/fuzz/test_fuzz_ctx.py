@@ -1,4 +1,4 @@
-"""Fuzz the context-coded segment decoder (codec.ctx.decode_ctx, codec.ctx_kernels.ctx_decode)
+"""Fuzz the context-coded segment decoders (codec.ctx.decode_ctx: the ctx and ans kernels)
 directly: streams a writer emits for xor and add changes of every float dtype, then truncated,
 extended, bit-flipped or byte-edited, with counts and ranges edited. A refusal must be a
 FormatError before anything is written, a success must apply and roll back bit for bit
@@ -13,20 +13,22 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from weighthub.codec.coding import Op
+from weighthub.codec.coding import Op, Positions
 
 from .mutate import INTERESTING_INTS, apply_edits
 from .strategies import ci_settings, edits
-from .targets import CTX_HEADER, FLOAT_DTYPES, base_words, check
+from .targets import CTX_ADD, CTX_ANS, CTX_HEADER, FLOAT_DTYPES, base_words, check
 
 
 @st.composite
 def ctx_input(draw: Any) -> bytes:
-    """A ctx segment as the encoder writes it, then maybe edited (see targets.ctx's layout)."""
+    """A context-coded segment as the encoder writes it, then maybe edited (see targets.ctx's
+    layout)."""
     from weighthub.codec.ctx import ctx_streams
 
     di = draw(st.integers(0, len(FLOAT_DTYPES) - 1))
     dtype, op = FLOAT_DTYPES[di], draw(st.sampled_from([Op.XOR, Op.ADD]))
+    coding = draw(st.sampled_from([Positions.ANS, Positions.CTX]))
     n = draw(st.one_of(st.integers(1, 64), st.integers(1, 4000)))
     old = base_words(n, dtype)
     rng = np.random.default_rng(draw(st.integers(0, (1 << 32) - 1)))
@@ -35,10 +37,10 @@ def ctx_input(draw: Any) -> bytes:
         pos = np.array([draw(st.integers(0, n - 1))])
     new = old.copy()
     new[pos] += rng.integers(1, 4, pos.size).astype(dtype.uint)  # small moves, as training makes
-    coded = ctx_streams(old, pos, old[pos], new[pos], dtype, op)
+    coded = ctx_streams(old, pos, old[pos], new[pos], dtype, op, coding)
     if coded is None:  # f64 words spread over more exponents than ctx models: fewer changes
         pos = pos[:64]
-        coded = ctx_streams(old, pos, old[pos], new[pos], dtype, op)
+        coded = ctx_streams(old, pos, old[pos], new[pos], dtype, op, coding)
         assert coded is not None
     streams = [coded[0].tobytes(), coded[1].tobytes()]
     count, pos_len = int(pos.size), len(streams[0])
@@ -54,11 +56,13 @@ def ctx_input(draw: Any) -> bytes:
             n = draw(st.integers(1, 0xFFFF))
         else:  # move the boundary between the streams
             pos_len = draw(st.integers(0, len(streams[0]) + len(streams[1])))
-    head = CTX_HEADER.pack(di, int(op == Op.ADD), max(0, count) & 0xFFFFFFFF, n, min(pos_len, 0xFFFF))
+    flags = (CTX_ADD if op == Op.ADD else 0) | (CTX_ANS if coding == Positions.ANS else 0)
+    head = CTX_HEADER.pack(di, flags, max(0, count) & 0xFFFFFFFF, n, min(pos_len, 0xFFFF))
     return head + streams[0] + streams[1]
 
 
-def test_unedited_inputs_apply() -> None:
+@pytest.mark.parametrize("coding", [Positions.ANS, Positions.CTX], ids=["ans", "ctx"])
+def test_unedited_inputs_apply(coding: Positions) -> None:
     """The target really decodes and applies: an unedited writer's segment applies."""
     from weighthub.codec.ctx import ctx_streams
 
@@ -67,10 +71,11 @@ def test_unedited_inputs_apply() -> None:
     pos = np.array([3, 50, 299])
     new = old.copy()
     new[pos] += 1
-    coded = ctx_streams(old, pos, old[pos], new[pos], dtype, Op.ADD)
+    coded = ctx_streams(old, pos, old[pos], new[pos], dtype, Op.ADD, coding)
     assert coded is not None
     pb, vb = coded
-    data = CTX_HEADER.pack(0, 1, 3, 300, pb.size) + pb.tobytes() + vb.tobytes()
+    flags = CTX_ADD | (CTX_ANS if coding == Positions.ANS else 0)
+    data = CTX_HEADER.pack(0, flags, 3, 300, pb.size) + pb.tobytes() + vb.tobytes()
     assert check("ctx", data) == 3
 
 

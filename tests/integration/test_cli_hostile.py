@@ -73,12 +73,16 @@ def published(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def ctx_store(tmp_path: Path) -> Path:
-    """v0 and v1 published with the default encoding: a context-coded delta."""
+def ctx_store(tmp_path: Path, request: pytest.FixtureRequest) -> Path:
+    """v0 and v1 published with the default encoding and the given context coder: a
+    context-coded delta."""
     for v in (0, 1):
         ckpt = tmp_path / f"ckpt{v}.safetensors"
         save_file(_grouped_state(v), ckpt)
-        assert main(["publish", str(tmp_path / "store"), str(ckpt)]) == 0
+        assert main(["publish", "--context-coder", request.param, str(tmp_path / "store"),
+                     str(ckpt)]) == 0
+    # `--context-coder range` writes the range coding (id ctx), the default ans
+    assert _primary_codings(tmp_path / "store") == {"ctx" if request.param == "range" else "ans"}
     return tmp_path / "store"
 
 
@@ -137,14 +141,26 @@ def test_a_chunk_whose_group_table_overflows_int64(store: Path, tmp_path: Path) 
                                   "group keys out of range")
 
 
-def test_a_ctx_chunk_whose_group_key_is_past_int64(ctx_store: Path, tmp_path: Path) -> None:
-    """The same through the range coder: a group table whose key is 2^63, coded as the spec
-    says (tests/reference_ctx.py)."""
-    from reference_ctx import code_positions
+@pytest.mark.parametrize("ctx_store", ["range", "ans"], indirect=True)
+def test_a_context_coded_chunk_whose_group_key_is_past_int64(ctx_store: Path, tmp_path: Path
+                                                             ) -> None:
+    """The same through the context coders: a group table whose key is 2^63, coded as the spec
+    says (tests/reference_ctx.py, tests/reference_ans.py)."""
+    import reference_ans
+    import reference_ctx
 
-    _pull_refuses_an_edited_chunk(ctx_store, tmp_path, Positions.CTX,
+    ans = _primary_codings(ctx_store) == {"ans"}
+    code_positions = reference_ans.code_positions if ans else reference_ctx.code_positions
+    _pull_refuses_an_edited_chunk(ctx_store, tmp_path, Positions.ANS if ans else Positions.CTX,
                                   lambda count: code_positions([(1 << 63, count, 1)], [[0] * count]),
                                   "group table out of range")
+
+
+def _primary_codings(store: Path) -> set[str]:
+    """The context codings (ctx, ans) v1's manifest names."""
+    doc = msgspec.json.decode(_primary(store, 1).read_bytes())
+    ops = {o for t in doc["tensors"] for o in t["ops"]}
+    return {o.split("/")[1] for o in ops} & {"ctx", "ans"}
 
 
 def test_a_checkpoint_whose_header_nests_too_deeply(store: Path, tmp_path: Path) -> None:

@@ -103,7 +103,7 @@ def test_encoded_streams_match_the_spec(dtype: DType, case, offset: int) -> None
             assert seg.val_bytes.tobytes() == new.astype(np.dtype(dtype.uint).newbyteorder("<")).tobytes()
         return
     ref = ref_segment(old, new, dtype, seg.positions, seg.values, start=100, op=seg.op)
-    if seg.values == Values.CTX:  # ctx codes xor or add entries, whichever codes smaller
+    if seg.values in (Values.CTX, Values.ANS):  # xor or add entries, whichever codes smaller
         assert seg.op in (Op.XOR, Op.ADD) and dtype.is_float
     else:
         assert seg.op == OP_FOR[seg.values]
@@ -114,14 +114,16 @@ def test_encoded_streams_match_the_spec(dtype: DType, case, offset: int) -> None
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @given(case=pairs, positions=st.sampled_from([Positions.GAPS, Positions.GROUPS, Positions.BITMAP,
-                                              Positions.CTX]),
+                                              Positions.CTX, Positions.ANS]),
        values=st.sampled_from([Values.RAW, Values.VARINT, Values.ZIGZAG]), add=st.booleans())
 def test_every_forced_coding_decodes(dtype: DType, case, positions: Positions, values: Values,
                                      add: bool) -> None:
     old, new = make_pair(dtype, *case)
-    if positions in (Positions.GROUPS, Positions.CTX) and not dtype.is_float:
+    if positions in (Positions.GROUPS, Positions.CTX, Positions.ANS) and not dtype.is_float:
         positions = Positions.GAPS
-    if positions == Positions.CTX:  # both streams together, xor or add entries
+    if positions == Positions.ANS:  # both streams together, xor or add entries
+        seg = ref_segment(old, new, dtype, positions, Values.ANS, op=Op.ADD if add else Op.XOR)
+    elif positions == Positions.CTX:
         seg = ref_segment(old, new, dtype, positions, Values.CTX, op=Op.ADD if add else Op.XOR)
         if not ctx_fits(old, np.flatnonzero(old != new), dtype):  # f64 over many exponents:
             # refused, nothing applied
@@ -191,8 +193,9 @@ def test_edge_shapes(dtype: DType) -> None:
             roundtrip(ref_segment(one_old, one_new, dtype, positions, values), one_old, one_new, dtype)
     if dtype.is_float:
         for op in (Op.XOR, Op.ADD):
-            roundtrip(ref_segment(one_old, one_new, dtype, Positions.CTX, Values.CTX, op=op),
-                      one_old, one_new, dtype)
+            for coding in (Positions.CTX, Positions.ANS):
+                roundtrip(ref_segment(one_old, one_new, dtype, coding, Values[coding.name], op=op),
+                          one_old, one_new, dtype)
 
 
 def test_distinguishes_signed_zero_and_nan_payloads() -> None:

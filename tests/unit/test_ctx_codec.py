@@ -1,6 +1,7 @@
-"""The context-coded segment coding `ctx` (format/spec.md §2, "Context coding"): the kernels'
-bytes against the spec's reference encoder (tests/reference_ctx.py), golden bytes, and every
-hostile stream the spec says a reader refuses, with the destination restored bit for bit."""
+"""The context-coded segment coding `ctx` (format/spec.md §2, "Context coding"), written with
+`EncodePolicy(coder="range")` (the default is `ans`: test_ans_codec.py): the kernels' bytes
+against the spec's reference encoder (tests/reference_ctx.py), golden bytes, and every hostile
+stream the spec says a reader refuses, with the destination restored bit for bit."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from reference_ctx import code_positions, code_values, ref_ctx
 from weighthub.codec import Op, Positions, Segment, UndoLog, Values, apply_segment, encode_segment
-from weighthub.codec.coding import EncodePolicy, check_coding
+from weighthub.codec.coding import EncodePolicy
 from weighthub.codec.ctx import MAX_CHANGES_PER_VALUE_BYTE, ctx_streams, decode_ctx
 from weighthub.errors import FormatError
 from weighthub.tensors import DTYPES, DType
@@ -19,6 +20,7 @@ from weighthub.tensors import DTYPES, DType
 FLOATS = [d for d in DTYPES if d.is_float]
 BF16 = next(d for d in DTYPES if d.name == "BF16")
 WHERE = "chunk c7 segment 2"
+RANGE = EncodePolicy(coder="range")  # writers' ctx (the default context coder is ans)
 
 
 def _pair(dtype: DType, n: int, rate: float, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -124,7 +126,7 @@ def test_encoder_picks_ctx_for_float_deltas_and_never_for_integers() -> None:
     w_new = (w + rng.choice([-1e-6, 1e-6], w.size).astype(np.float32)).view(np.uint32)
     new = (w_new >> 16).astype(np.uint16)
     assert 0.005 < np.mean(old != new) < 0.05
-    seg = encode_segment(old, new, BF16, tensor=0, start=0)
+    seg = encode_segment(old, new, BF16, tensor=0, start=0, policy=RANGE)
     assert seg is not None and (seg.positions, seg.values) == (Positions.CTX, Values.CTX)
     v1 = encode_segment(old, new, BF16, tensor=0, start=0, policy=EncodePolicy(ctx=False))
     assert v1 is not None and v1.positions == Positions.GROUPS
@@ -199,18 +201,6 @@ def test_a_count_the_streams_cannot_hold_is_refused_before_allocation() -> None:
     assert peak < 1 << 20
 
 
-@pytest.mark.parametrize(("op", "positions", "values", "is_float", "match"), [
-    (Op.XOR, Positions.CTX, Values.VARINT, True, "together"),
-    (Op.XOR, Positions.GAPS, Values.CTX, True, "together"),
-    (Op.OVERWRITE, Positions.CTX, Values.CTX, True, "xor or add only"),
-    (Op.ADD, Positions.CTX, Values.CTX, False, "integer dtype"),
-])
-def test_codings_the_format_forbids(op: Op, positions: Positions, values: Values, is_float: bool,
-                                    match: str) -> None:
-    with pytest.raises(FormatError, match=f"{WHERE}: .*{match}"):
-        check_coding(op, positions, values, WHERE, is_float=is_float)
-
-
 def test_ctx_is_not_applied_inversely() -> None:
     """ctx ranks by the old exponent, which a holder of the new words does not know."""
     seg = _seg(OK_POS, OK_VAL, 2, N)
@@ -225,8 +215,8 @@ def test_a_bad_segment_after_good_ones_rolls_the_whole_range_back() -> None:
     """A receiver applies a chunk's segments in turn: a corrupt ctx segment after a good one
     must leave the undo log able to restore every bit."""
     old, new, _ = _pair(BF16, 4000, 0.05, 9)
-    good = encode_segment(old[:2000], new[:2000], BF16, tensor=0, start=0)
-    bad = encode_segment(old[2000:], new[2000:], BF16, tensor=0, start=2000)
+    good = encode_segment(old[:2000], new[:2000], BF16, tensor=0, start=0, policy=RANGE)
+    bad = encode_segment(old[2000:], new[2000:], BF16, tensor=0, start=2000, policy=RANGE)
     assert good is not None and bad is not None and bad.positions == Positions.CTX
     bad_bytes = bad.val_bytes.copy()
     bad_bytes[len(bad_bytes) // 2] ^= 0x10  # caught here by the end checks (length, final code);
@@ -253,7 +243,7 @@ def test_f64_over_too_many_exponents_is_coded_otherwise_and_refused_as_ctx() -> 
     new = old ^ np.uint64(1)
     pos = np.arange(old.size)
     assert ctx_streams(old, pos, old, new, F64, Op.XOR) is None
-    seg = encode_segment(old, new, F64, tensor=0, start=0)
+    seg = encode_segment(old, new, F64, tensor=0, start=0, policy=RANGE)
     assert seg is not None and seg.positions != Positions.CTX
     table = code_positions([(k, 1, 1) for k in range(300)], [[0]] * 300)
     hostile = _seg(table, code_values([[1]] * 300, 64), 300, 5000)

@@ -200,10 +200,10 @@ def test_two_threads_equal_one_and_errors_are_clear() -> None:
 # --- segments: the receiver's two halves and the publisher's tracked encode ---------------------
 
 
-@pytest.mark.parametrize(("frac", "ctx"), [(0.002, False), (0.03, False), (0.3, False), (1.0, False),
-                                           (0.03, True)],
-                         ids=["gaps", "groups", "bitmap", "dense", "ctx"])
-def test_segment_digest_halves_add_up(frac: float, ctx: bool) -> None:
+@pytest.mark.parametrize(("frac", "ctx"), [(0.002, ""), (0.03, ""), (0.3, ""), (1.0, ""),
+                                           (0.03, "range"), (0.03, "ans")],
+                         ids=["gaps", "groups", "bitmap", "dense", "ctx", "ans"])
+def test_segment_digest_halves_add_up(frac: float, ctx: str) -> None:
     from weighthub.codec import EncodePolicy, Positions, UndoLog, apply_segment, encode_segment_tracked
     from weighthub.codec.digest import staged_old_digest
     from weighthub.digest import lanes_digest
@@ -221,11 +221,11 @@ def test_segment_digest_halves_add_up(frac: float, ctx: bool) -> None:
     new[pos] ^= np.uint16(1) if frac < 1 else np.uint16(0x5555)
     start = 1000
     seg, change = encode_segment_tracked(old, new, bf16, tensor=0, start=start,
-                                         policy=EncodePolicy(ctx=ctx))
+                                         policy=EncodePolicy(ctx=bool(ctx), coder=ctx or "ans"))
     assert seg is not None
     assert digest_affine(new, start, (1,)) == digest_add(digest_affine(old, start, (1,)), change)
-    want = Positions.CTX if ctx else {0.002: Positions.GAPS, 0.03: Positions.GROUPS,
-                                      0.3: Positions.BITMAP, 1.0: Positions.ALL}[frac]
+    want = {"range": Positions.CTX, "ans": Positions.ANS}[ctx] if ctx else {
+        0.002: Positions.GAPS, 0.03: Positions.GROUPS, 0.3: Positions.BITMAP, 1.0: Positions.ALL}[frac]
     assert seg.positions == want
     before = staged_old_digest(seg, old, bf16, "t")
     dst = old.copy()

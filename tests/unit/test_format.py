@@ -159,7 +159,7 @@ def test_checksum_flip(offset: int) -> None:
 
 
 @pytest.mark.parametrize(("field", "value", "kind"), [
-    ("op", 0, "Op"), ("op", 9, "Op"), ("pos", 5, "Positions"), ("val", 0, "Values"), ("val", 200, "Values"),
+    ("op", 0, "Op"), ("op", 9, "Op"), ("pos", 6, "Positions"), ("val", 0, "Values"), ("val", 200, "Values"),
 ])
 def test_unknown_codec_ids(field: str, value: int, kind: str) -> None:
     with pytest.raises(UnknownCodecError, match=f"{WHERE} segment 1: unknown {kind} id {value}"):

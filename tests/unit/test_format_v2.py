@@ -139,7 +139,7 @@ def test_hostile_v2_tables_are_refused(name: str) -> None:
 
 
 @pytest.mark.parametrize(("coding", "kind", "value"), [
-    (0x44 | 5 << 2 & 0x1C, "Positions", 5),  # positions id 5 (bits 2..4)
+    (0x40 | 6 << 2, "Positions", 6),  # xor, positions id 6 (bits 2..4), varint values
     (0x04, "Values", 0),  # values id 0
     (0x04 | 7 << 5, "Values", 7),
 ])

@@ -7,10 +7,11 @@ anchors, skip deltas) and chunk frames, after a restarted publisher adopted the 
 retention deleted old versions. Only the random chunk-directory tokens, the publisher id and the
 `created` time are masked (tests/store_golden.py); every other byte must stay as it was.
 Those goldens pin `EncodePolicy(ctx=False)`, the `compact` profile before the context coding
-(issue #16); GOLDEN_CTX pins `compact` with the context coding on. Both write chunk frame
-version 1 (`frame_version=1`, what writers emitted when they were recorded); GOLDEN_V2 pins
-today's default, `compact` in frame version 2 (varint segment records), whose manifests and
-segment streams are those of GOLDEN_CTX.
+(issue #16); GOLDEN_CTX pins `compact` with the range-coded context coding (`ctx`). Both write
+chunk frame version 1 (`frame_version=1`, what writers emitted when they were recorded);
+GOLDEN_V2 pins that `compact` in frame version 2 (varint segment records), whose manifests and
+segment streams are those of GOLDEN_CTX; GOLDEN_ANS pins today's default, `compact` coded with
+ans in frame version 2, which holds the same tensor digests.
 
 Each runs on both scan backends: the host kernels, and the device code (`backend="torch"`: the
 torch ops a CUDA trainer runs, here on CPU tensors), which must store the very same bytes
@@ -79,7 +80,8 @@ def trajectory(steps: int) -> list[dict[str, torch.Tensor]]:
 
 
 V1 = EncodePolicy(ctx=False, frame_version=1)  # `compact` as the goldens were recorded
-CTX_V1 = replace(ENCODE_PROFILES["compact"], frame_version=1)
+RANGE = replace(ENCODE_PROFILES["compact"], coder="range")  # `compact` before the ans coding
+CTX_V1 = replace(RANGE, frame_version=1)
 
 
 BACKENDS = {"host": {}, "torch": {"backend": "torch"},
@@ -172,7 +174,7 @@ GOLDEN_V2 = {
 @backends
 def test_default_output_in_frame_version_2_is_byte_identical_to_its_golden_digests(
         backend: str) -> None:
-    v2 = _publish_trajectory(ENCODE_PROFILES["compact"], backend)
+    v2 = _publish_trajectory(RANGE, backend)
     got = digest_by_version(masked_objects(v2))
     print(got)
     assert got == GOLDEN_V2
@@ -182,6 +184,35 @@ def test_default_output_in_frame_version_2_is_byte_identical_to_its_golden_diges
         m1, m2 = (catalog.primary_manifest(s, version) for s in (v1, v2))
         assert [t.digest for t in m1.tensors] == [t.digest for t in m2.tensors]
         assert m2.payload_bytes < m1.payload_bytes or m2.changed == 0, (version, m1, m2)
+
+
+GOLDEN_ANS = {
+    "v000000000000": "7:7a27515cba68460da2e005ab625ff768",
+    "v000000000001": "7:1c49c65c75ce697f5c5de46aad50cb23",
+    "v000000000002": "14:2881fd6682fa6d2a1397074bdf9b3465",
+    "v000000000003": "14:ccc00063c8460a32c40d039fad4dcb06",
+    "v000000000004": "14:b0454f984c86f7037752c87583409237",
+    "v000000000005": "7:805258bb101eafde15a6473f7d91f810",
+    "v000000000006": "21:eb2b259e41d61fc12d9afb47c5722ee1",
+    "v000000000007": "7:4d8d9369b16feb47ed8b3465cfbed3b3",
+    "v000000000008": "7:615fa7b6b9513ff0ab89fed281e21ed1",
+    "v000000000009": "14:dc885dcbee24f456152622a9d2f03dc4",
+}
+
+
+@backends
+def test_default_output_is_byte_identical_to_its_golden_digests(backend: str) -> None:
+    store = _publish_trajectory(ENCODE_PROFILES["compact"], backend)
+    got = digest_by_version(masked_objects(store))
+    print(got)
+    ops = {o for v in range(1, 10) for t in catalog.primary_manifest(store, v).tensors for o in t.ops}
+    assert {"xor/ans/ans", "add/ans/ans"} & ops, ops
+    assert got == GOLDEN_ANS
+    # the same versions as the range coder's, bit for bit
+    ranged = _publish_trajectory(RANGE, backend)
+    for version in range(10):
+        ma, mr = (catalog.primary_manifest(s, version) for s in (store, ranged))
+        assert [t.digest for t in ma.tensors] == [t.digest for t in mr.tensors]
 
 
 @backends

@@ -7,6 +7,8 @@ The `gpu`-marked tests at the end run the same on a CUDA device where one exists
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import msgspec
 import numpy as np
 import pytest
@@ -54,12 +56,16 @@ def _training(n: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-@pytest.mark.parametrize("profile", sorted(ENCODE_PROFILES))
+POLICIES = {**ENCODE_PROFILES, "compact-range": replace(ENCODE_PROFILES["compact"], coder="range")}
+
+
+@pytest.mark.parametrize("profile", sorted(POLICIES))
 def test_every_coding_applies_bit_exact_on_the_device_path(store: Store, profile: str) -> None:
-    """ctx (compact), exponent groups (grouped), gaps and bitmaps (fast, and dense-ish steps),
-    overwrite and dense segments: the torch target ends with the trainer's bits every version,
-    and its incremental digests are those of the host path."""
-    pub = Publisher(store, policy=ENCODE_PROFILES[profile], delta_span_bytes=1 << 20)
+    """ans (compact), ctx (compact with the range coder), exponent groups (grouped), gaps and
+    bitmaps (fast, and dense-ish steps), overwrite and dense segments: the torch target ends
+    with the trainer's bits every version, and its incremental digests are those of the host
+    path."""
+    pub = Publisher(store, policy=POLICIES[profile], delta_span_bytes=1 << 20)
     states = _training(5)
     states.append(step(states[-1], 9, frac=0.4))  # dense-ish: bitmaps, overwrites
     for state in states:
@@ -71,7 +77,8 @@ def test_every_coding_applies_bit_exact_on_the_device_path(store: Store, profile
         on_host.sync(v)
         assert same_bits(device_target.state, states[v]), v
         assert on_device._committed == on_host._committed, v  # (root, tensor digests)
-    want = {"compact": "/ctx/", "grouped": "/groups/", "fast": "/bitmap/"}[profile]
+    want = {"compact": "/ans/", "compact-range": "/ctx/", "grouped": "/groups/",
+            "fast": "/bitmap/"}[profile]
     assert any(want in c for c in _codings(store, len(states) - 1)), _codings(store, 5)
 
 
@@ -314,6 +321,9 @@ def test_decode_refuses_what_the_host_refuses(store: Store) -> None:
         "ctx garbage": Segment(0, 0, 100, Op.XOR, Positions.CTX, Values.CTX, 3,
                                np.array([0, 255, 255, 255, 255, 1], np.uint8),
                                np.array([0, 1, 2, 3, 4, 5], np.uint8)),
+        "ans garbage": Segment(0, 0, 100, Op.XOR, Positions.ANS, Values.ANS, 3,
+                               np.array([0, 0, 1, 0, 7, 9, 1, 0, 5, 5], np.uint8),
+                               np.array([0, 0, 1, 0, 0, 0, 1, 0], np.uint8)),
     }
     for what, seg in cases.items():
         with pytest.raises(FormatError):

@@ -50,12 +50,15 @@ def test_regap_applies_bit_exact_and_uses_gaps() -> None:
     _applies_exactly(fast, old, new)
 
 
-def test_regap_decodes_a_ctx_segment_to_gaps_while_staging() -> None:
-    """The default profile's ctx segment is decoded against the held words before the pause,
-    so the pause runs the same gap kernel as for `fast` segments."""
+@pytest.mark.parametrize(("coder", "coding"), [("ans", Positions.ANS), ("range", Positions.CTX)])
+def test_regap_decodes_a_context_coded_segment_to_gaps_while_staging(coder: str,
+                                                                     coding: Positions) -> None:
+    """The default profile's context-coded segment (ans, or ctx from older writers) is decoded
+    against the held words before the pause, so the pause runs the same gap kernel as for
+    `fast` segments."""
     old, new = _grouped_pair()
-    seg = encode_segment(old, new, BF16, tensor=0, start=0)
-    assert seg is not None and seg.positions == Positions.CTX
+    seg = encode_segment(old, new, BF16, tensor=0, start=0, policy=EncodePolicy(coder=coder))
+    assert seg is not None and seg.positions == coding
     fast = regap_segment(seg, old, BF16, "test")
     assert (fast.positions, fast.op, fast.count) == (Positions.GAPS, seg.op, seg.count)
     assert fast.values in (Values.VARINT, Values.ZIGZAG)

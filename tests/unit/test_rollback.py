@@ -361,7 +361,7 @@ def test_an_overwrite_delta_is_not_undone_the_route_falls_back(store: Store) -> 
 
 
 def test_a_context_coded_delta_is_not_undone_the_route_falls_back(store: Store) -> None:
-    """The default `compact` profile codes float deltas with ctx, which is not invertible: a
+    """The default `compact` profile codes float deltas with ans, which is not invertible: a
     receiver going back takes an anchor and deltas forward, bit-exactly."""
     pub = Publisher(store, delta_span_bytes=SPAN, full_span_bytes=SPAN)
     states = [make_state()]
@@ -370,7 +370,7 @@ def test_a_context_coded_delta_is_not_undone_the_route_falls_back(store: Store) 
         states.append(step(states[-1], v, frac=0.05))
         pub.publish(states[-1])
     ops = {o for t in catalog.primary_manifest(store, 2).tensors for o in t.ops}
-    assert any(o.endswith("/ctx/ctx") for o in ops), ops
+    assert any(o.endswith("/ans/ans") for o in ops), ops
     assert not any(r.invertible for r in catalog.representations(store, 2))
     target, rx = at(store, 2)
     out = rx.sync(1)

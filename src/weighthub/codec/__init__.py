@@ -7,6 +7,12 @@
     apply.py    apply in place (forwards or inversely), regap grouped positions
     digest.py   the digest of the words a segment will rewrite (staged before the pause)
     kernels.py  the numba loops of all of the above
+    ctx.py      the context codings (positions ranked in exponent groups, values in context of
+                the old exponent): stream building, limits and decoding, for both coders
+    ans.py, ans_kernels.py
+                `ans` (the default): adaptive models under two interleaved rANS states
+    rangecoder.py, ctx_kernels.py
+                `ctx`: the same models under a binary-adaptive range coder (the older coder)
     device.py, device_groups.py, device_words.py
                 the device kernels in torch (scan, group ranks and placement, sparse apply)
     device_encode.py  the encoder's device backend: scan on the device, code on the host

@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import FormatError, UsageError
 from ..tensors import DType, readonly
 from . import kernels as K
-from .coding import Op, Positions, check_coding
+from .coding import CONTEXT_CODINGS, Op, Positions, check_coding
 from .ctx import decode_ctx
 from .encode import encode_gaps, width_masks
 from .segment import Segment, UndoEntry, UndoLog, check_status
@@ -78,10 +78,11 @@ def _check_sparse(seg: Segment, dtype: DType, words: np.ndarray, where: str) -> 
 
 def regap_segment(seg: Segment, base: np.ndarray, dtype: DType, where: str) -> Segment:
     """The same segment with exponent-grouped or context-coded positions re-coded as plain gaps
-    (and ctx values as varints or zigzag varints).
+    (and context-coded values as varints or zigzag varints).
 
-    Grouped and ctx positions are smaller on the wire but decode slowly (every element's old
-    exponent is read; ctx also runs its range decoder), while plain gaps apply at several GB/s.
+    Grouped and context-coded positions are smaller on the wire but decode slowly (every
+    element's old exponent is read, and ctx/ans run their entropy decoder), while plain gaps
+    apply at several GB/s.
     A receiver calls this while staging, with `base` = the bits it holds now (read only), so
     the pause runs the fast kernel. The result applies only to exactly those base bits (a
     different base fails its digests).
@@ -90,7 +91,7 @@ def regap_segment(seg: Segment, base: np.ndarray, dtype: DType, where: str) -> S
         UsageError: `base` is not the segment's range in the dtype's words.
         FormatError: a coding the format forbids, or a corrupt group table or stream.
     """
-    if seg.positions == Positions.CTX:
+    if seg.positions in CONTEXT_CODINGS:
         _check_sparse(seg, dtype, base, where)
         return decode_ctx(seg, base, dtype, where)
     if seg.positions != Positions.GROUPS:
@@ -161,7 +162,7 @@ def apply_segment(seg: Segment, dst: np.ndarray, dtype: DType, undo: UndoLog,
     if seg.op == Op.DENSE:
         return _apply_dense(seg, dst, dtype, undo, where, dnew, dold)
     _check_sparse(seg, dtype, dst, where)
-    if seg.positions == Positions.CTX:  # decoded against dst's words before any is changed
+    if seg.positions in CONTEXT_CODINGS:  # decoded against dst's words before any is changed
         seg = decode_ctx(seg, dst, dtype, where)
     mask, _ = width_masks(dtype)
     undo_pos = np.empty(seg.count, np.int64)

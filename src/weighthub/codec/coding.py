@@ -29,6 +29,7 @@ class Positions(IntEnum):
     GROUPS = 2  # varint gaps within groups of equal old exponent (float dtypes)
     BITMAP = 3  # one bit per element, little-endian bit order
     CTX = 4  # range-coded group rank gaps, in context of the old exponent (float dtypes)
+    ANS = 5  # the same rank gaps, rANS-coded with multi-symbol models (float dtypes)
 
 
 class Values(IntEnum):
@@ -36,6 +37,14 @@ class Values(IntEnum):
     VARINT = 2  # unsigned LEB128 varint (XOR values)
     ZIGZAG = 3  # zigzag LEB128 varint of the wrap-around difference (ADD values)
     CTX = 4  # range-coded XOR or zigzag difference, in context of the old exponent
+    ANS = 5  # the same values, rANS-coded with multi-symbol models
+
+
+# The context codings: positions and values coded together in context of the old exponents,
+# each with its own entropy coder (format/spec.md §2): a position id here pairs with the value
+# id of the same name.
+CONTEXT_CODINGS = {Positions.CTX: Values.CTX, Positions.ANS: Values.ANS}
+CONTEXT_CODERS = {"ans": Positions.ANS, "range": Positions.CTX}  # EncodePolicy.coder → ids
 
 
 # What can be applied inversely (a version back to its base, format/spec.md §2): xor and add
@@ -65,7 +74,8 @@ def coding_invertible(name: str) -> bool:
 # The codings a reader accepts (format/spec.md §2). Writers emit dense/all/raw and, for the
 # sparse ops, xor/varint, add/zigzag and overwrite/raw; xor and add may also carry their values
 # as raw words (the same z, W bytes each), and both streams of xor and add may be context-coded
-# together (xor/ctx/ctx, add/ctx/ctx). Anything else is refused before anything is applied.
+# together (xor/ctx/ctx, add/ctx/ctx, xor/ans/ans, add/ans/ans). Anything else is refused before
+# anything is applied.
 _SPARSE_VALUES = {
     Op.XOR: frozenset({Values.VARINT, Values.RAW}),
     Op.ADD: frozenset({Values.ZIGZAG, Values.RAW}),
@@ -83,8 +93,9 @@ def check_coding(op: Op, positions: Positions, values: Values, where: str, *,
 
     Raises:
         FormatError: `all` positions or raw values missing on a dense segment, `all` on a
-            sparse one, a value coding its op does not take, `ctx` on one stream only or with
-            overwrite, or `groups`/`ctx` on an integer dtype.
+            sparse one, a value coding its op does not take, a context coding (`ctx`, `ans`)
+            on one stream only, paired with another or with overwrite, or `groups` or a context
+            coding on an integer dtype.
     """
     if op == Op.DENSE:
         if positions != Positions.ALL or values != Values.RAW:
@@ -94,15 +105,17 @@ def check_coding(op: Op, positions: Positions, values: Values, where: str, *,
     if positions == Positions.ALL:
         raise FormatError(f"{where}: positions 'all' with op {op.name.lower()}: only a dense "
                           "segment covers every element")
-    if (positions == Positions.CTX) != (values == Values.CTX) or (
-            positions == Positions.CTX and op not in _INVERTIBLE_OPS):
+    context = positions in CONTEXT_CODINGS
+    if (CONTEXT_CODINGS.get(positions) != values if context
+            else values in CONTEXT_CODINGS.values()) or (context and op not in _INVERTIBLE_OPS):
         raise FormatError(f"{where}: {op.name.lower()}/{positions.name.lower()}/"
                           f"{values.name.lower()}: context coding codes positions and values "
-                          "together, for xor or add only (xor/ctx/ctx, add/ctx/ctx)")
-    if positions == Positions.CTX:
+                          "together, for xor or add only (xor/ctx/ctx, add/ctx/ctx, "
+                          "xor/ans/ans, add/ans/ans)")
+    if context:
         if is_float is False:
-            raise FormatError(f"{where}: context-coded positions on an integer dtype (ctx needs "
-                              "an exponent field)")
+            raise FormatError(f"{where}: context-coded positions on an integer dtype "
+                              f"({positions.name.lower()} needs an exponent field)")
         return
     if values not in _SPARSE_VALUES[op]:
         allowed = sorted(v.name.lower() for v in _SPARSE_VALUES[op])
@@ -133,9 +146,13 @@ class EncodePolicy:
       element; on deltas whose changes do not depend on magnitude it never wins).
     value_sample: choose the value coding from byte histograms of at most about this many
       changed elements (evenly strided); 0 = all of them.
-    ctx: with `groups`, code float segments' positions and values with the range coder in
-      context of the old exponents (xor/ctx/ctx, add/ctx/ctx) instead of exponent-grouped
-      varints: the same context, coded near its entropy. Like `groups`, not invertible.
+    ctx: with `groups`, code float segments' positions and values together in context of the
+      old exponents instead of as exponent-grouped varints: the same context, coded near its
+      entropy. Like `groups`, not invertible.
+    coder: the entropy coder of those segments: "ans" (xor/ans/ans, add/ans/ans: rANS with
+      multi-symbol models, 5-8x faster to encode than "range" and 0-1.2% more bytes), or
+      "range" (xor/ctx/ctx, add/ctx/ctx: the binary range coder) while some receivers run a
+      weighthub older than the ans coding (a rolling upgrade).
     frame_version: the chunk frame version written (spec §1): 2 (varint segment records), or 1
       while some receivers run a weighthub that reads only version 1 (a rolling upgrade).
     """
@@ -146,20 +163,23 @@ class EncodePolicy:
     group_probe: bool = True
     value_sample: int = 1 << 16
     ctx: bool = True
+    coder: str = "ans"
     frame_version: int = 2
 
 
 # Named encoder policies (Publisher(policy=...), `weighthub publish --encode NAME`). Measured with
 # `weighthub bench` on the real MiniLM and SmolLM2 trajectories (lr 1e-6..1e-4, 2 cores): "compact"
-# (the default) codes float xor/add segments with the context coder (`ctx`), 1.015-1.075× the
-# context entropy bound in chunk frame version 2 (MiniLM at lr 1e-6 is the 1.075×: 1.115× with
-# version 1's 48-byte segment records), 3.9-7.5 bits per changed word; it costs encoder and staging
-# time: 0.3-1.1 GB/s of state per core to encode and 0.6-1.7 to decode and apply at 0.5-3% changed
-# (the ctx coder itself ~100-200 ns per changed word either way), never in the pause. "fast" (plain
-# gaps and varints under zstd) sends 1.5-1.65× the bytes but encodes at 1.1-3 GB/s and applies at
-# 3-9 GB/s per core: the better choice on fast links. "grouped" is `compact` as it was before the
-# context coder (exponent-grouped varints under zstd), 1.24-1.49× the bound. Deltas that use ctx or
-# groups do not invert (they rank by the old exponents): rollback then takes an anchor.
+# (the default) codes float xor/add segments with a context coding, `ans` by default: 1.014-1.084×
+# the context entropy bound in chunk frame version 2, 3.9-7.5 bits per changed word, 0.41-0.51× a
+# NeMo-style codec (coder="range", the older range coder: 0-0.8% fewer bytes, 3-5× slower to
+# encode). It costs encoder and staging time: 0.07-0.12× the XOR pass to encode at 1-3% changed
+# (the ans coder itself 44-122 ns per changed word; the scan and the exponent ranks over every word
+# are the rest), 26-114 MB/s of compact stream to decode while staging, never in the pause. "fast"
+# (plain gaps and varints under zstd) sends 1.5-1.65× the bytes but encodes at 1.7-3.4 GB/s and
+# applies at 7-14 GB/s per core: the better choice on fast links. "grouped" is `compact` as it was
+# before the context coders (exponent-grouped varints under zstd), 1.24-1.49× the bound. Deltas
+# that use ctx/ans or groups do not invert (they rank by the old exponents): rollback then takes an
+# anchor.
 ENCODE_PROFILES: dict[str, EncodePolicy] = {
     "compact": EncodePolicy(),
     "grouped": EncodePolicy(ctx=False),

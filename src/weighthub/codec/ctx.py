@@ -1,10 +1,13 @@
-"""The context-coded segment coding `ctx` (format/spec.md §2, "Context coding"): the streams of
-a sparse xor/add segment coded against the old words' exponents by an adaptive range coder.
+"""The context-coded segment codings (format/spec.md §2): the streams of a sparse xor/add
+segment coded against the old words' exponents, by the adaptive binary range coder (`ctx`,
+codec.ctx_kernels) or by rANS with multi-symbol models (`ans`, codec.ans_kernels, the default).
+Both code the same information (exponent-group keys, ranks within the group, value entries).
 
-`ctx_streams` builds them from a scan's compacted changes (work ∝ changed elements, plus one
-pass over the old words to rank each change within its exponent group); `decode_ctx` turns a
-ctx segment back into plain gaps and varint/zigzag values against the base words, which is what
-a receiver does while staging so that the pause runs the same fast gap kernel as ever.
+`ctx_streams` builds either coding's streams from a scan's compacted changes (work ∝ changed
+elements, plus one pass over the old words to rank each change within its exponent group);
+`decode_ctx` turns a context-coded segment back into plain gaps and varint/zigzag values against
+the base words, which is what a receiver does while staging so that the pause runs the same fast
+gap kernel as ever; `decode_ranks` stops before the placement, for a base held on a device.
 """
 
 from __future__ import annotations
@@ -15,23 +18,34 @@ import numpy as np
 
 from ..errors import FormatError, UsageError
 from ..tensors import DType, readonly
+from . import ans_kernels as A
 from . import ctx_kernels as C
 from . import kernels as K
-from .coding import Op, Positions, Values
+from .ans import min_symbol_bits
+from .coding import CONTEXT_CODINGS, Op, Positions, Values
 from .segment import Segment, check_status
 
-# A coded decision costs at least −log2(1 − P_MIN/P_TOTAL) bits (the probability clamp), a
-# change at least one position decision and four value decisions: a stream of L bytes cannot
-# hold more changes than this many per byte, with margin. A reader refuses a larger declared
-# count before allocating anything for it.
+# A stream of L bytes cannot hold more changes than this many per byte; a reader refuses a larger
+# declared count before allocating anything for it. ctx: a coded decision costs at least
+# −log2(1 − P_MIN/P_TOTAL) bits (the probability clamp), a change at least one position decision
+# and four value decisions (with margin). ans: a change codes at least one quotient symbol and one
+# value head symbol, each costing at least ans.min_symbol_bits of its alphabet (the value head's
+# smallest alphabet is 8-bit floats'); decoding one shrinks a state (≥ 2^16) by at least 15/16
+# of that many bits.
 MAX_CHANGES_PER_VALUE_BYTE = 512
 MAX_CHANGES_PER_POSITION_BYTE = 2048
+ANS_CHANGES_PER_POSITION_BYTE = int(8 / min_symbol_bits(A.Q_ALPHABET) * 16 / 15) + 1
+ANS_CHANGES_PER_VALUE_BYTE = int(8 / min_symbol_bits(A.head_alphabet.py_func(8)) * 16 / 15) + 1
+_CHANGES_PER_BYTE = {Positions.CTX: (MAX_CHANGES_PER_POSITION_BYTE, MAX_CHANGES_PER_VALUE_BYTE),
+                     Positions.ANS: (ANS_CHANGES_PER_POSITION_BYTE, ANS_CHANGES_PER_VALUE_BYTE)}
 
 
 def ctx_streams(old: np.ndarray, pos: np.ndarray, oldv: np.ndarray, newv: np.ndarray,
-                dtype: DType, op: Op) -> tuple[np.ndarray, np.ndarray] | None:
-    """(positions, values) streams of the ctx coding for these changes of the range `old`, or
-    None where they span more exponent groups than a reader models (C.MAX_VALUE_CONTEXTS).
+                dtype: DType, op: Op, coding: Positions = Positions.CTX
+                ) -> tuple[np.ndarray, np.ndarray] | None:
+    """(positions, values) streams of a context coding (`coding`: Positions.CTX or ANS) for
+    these changes of the range `old`, or None where they span more exponent groups than a ctx
+    reader models (C.MAX_VALUE_CONTEXTS; ans has no such limit).
 
     Args:
         old: the range's old words (all of them: ranks count every element of a group).
@@ -41,7 +55,7 @@ def ctx_streams(old: np.ndarray, pos: np.ndarray, oldv: np.ndarray, newv: np.nda
     if op not in (Op.XOR, Op.ADD) or not dtype.is_float:
         raise UsageError(f"ctx coding takes xor/add on a float dtype, not {op.name} on {dtype.name}")
     keys, ranks = group_ranks(old, pos, dtype)
-    return ctx_streams_ranked(keys, ranks, oldv, newv, dtype, op)
+    return ctx_streams_ranked(keys, ranks, oldv, newv, dtype, op, coding)
 
 
 def group_ranks(old: np.ndarray, pos: np.ndarray, dtype: DType) -> tuple[np.ndarray, np.ndarray]:
@@ -62,13 +76,19 @@ def group_ranks(old: np.ndarray, pos: np.ndarray, dtype: DType) -> tuple[np.ndar
 
 
 def ctx_streams_ranked(keys: np.ndarray, ranks: np.ndarray, oldv: np.ndarray, newv: np.ndarray,
-                       dtype: DType, op: Op) -> tuple[np.ndarray, np.ndarray] | None:
+                       dtype: DType, op: Op, coding: Positions = Positions.CTX
+                       ) -> tuple[np.ndarray, np.ndarray] | None:
     """`ctx_streams` from the changes' group keys and ranks (`group_ranks`, on the host or a
     device) instead of the range's old words: work ∝ changed elements only."""
-    if op not in (Op.XOR, Op.ADD) or not dtype.is_float:
-        raise UsageError(f"ctx coding takes xor/add on a float dtype, not {op.name} on {dtype.name}")
+    if op not in (Op.XOR, Op.ADD) or not dtype.is_float or coding not in CONTEXT_CODINGS:
+        raise UsageError(f"context coding takes xor/add on a float dtype with coding ctx or ans, "
+                         f"not {op.name} on {dtype.name} with {coding.name}")
     count = int(keys.size)
     bits = 8 * dtype.width
+    if coding == Positions.ANS:
+        return A.ans_encode(keys, ranks, readonly(oldv), readonly(newv), count,
+                            dtype.exponent_mask + 1, op == Op.XOR, np.uint64((1 << bits) - 1),
+                            bits - 1)
     if np.count_nonzero(np.bincount(keys.astype(np.int64), minlength=1)) * \
             int(C.value_layout(bits)[2]) > C.MAX_VALUE_CONTEXTS:
         return None  # more exponent groups than a reader models (64-bit floats only; spec §2)
@@ -85,32 +105,53 @@ def ctx_streams_ranked(keys: np.ndarray, ranks: np.ndarray, oldv: np.ndarray, ne
 
 
 def check_ctx_count(seg: Segment, where: str) -> None:
-    """Refuse a ctx segment declaring more changes than its streams can code (spec §2)."""
-    if (seg.count > MAX_CHANGES_PER_VALUE_BYTE * seg.val_bytes.size
-            or seg.count > MAX_CHANGES_PER_POSITION_BYTE * seg.pos_bytes.size):
-        raise FormatError(f"{where}: a ctx segment declares {seg.count} changes in "
-                          f"{seg.pos_bytes.size}+{seg.val_bytes.size} stream bytes; at most "
-                          f"{MAX_CHANGES_PER_VALUE_BYTE} per value byte and "
-                          f"{MAX_CHANGES_PER_POSITION_BYTE} per position byte fit")
+    """Refuse a context-coded segment declaring more changes than its streams can code
+    (spec §2)."""
+    per_pos, per_val = _CHANGES_PER_BYTE[seg.positions]
+    if seg.count > per_val * seg.val_bytes.size or seg.count > per_pos * seg.pos_bytes.size:
+        raise FormatError(f"{where}: a {seg.positions.name.lower()} segment declares {seg.count} "
+                          f"changes in {seg.pos_bytes.size}+{seg.val_bytes.size} stream bytes; at "
+                          f"most {per_val} per value byte and {per_pos} per position byte fit")
+
+
+def decode_ranks(seg: Segment, dtype: DType, where: str
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Decode a context-coded segment without its base words: (group keys, group starts, ranks,
+    value entries), the ranks and entries group-major (group g's are [starts[g], starts[g+1])).
+    What is left is the placement against the base (`ctx_kernels.ctx_place`, or on a device).
+
+    Raises:
+        FormatError: a count its streams cannot hold (refused before allocating for it), or
+            corrupt or hostile streams.
+    """
+    check_ctx_count(seg, where)
+    count, size = seg.count, dtype.exponent_mask + 1
+    gkey, gstart = np.empty(size, np.int64), np.zeros(size + 1, np.int64)
+    ranks, zs = np.empty(count, np.int64), np.empty(count, np.uint64)
+    decode = A.ans_decode_ranks if seg.positions == Positions.ANS else C.ctx_decode_ranks
+    ngroups = int(decode(seg.numel, size, 8 * dtype.width, readonly(seg.pos_bytes),
+                         readonly(seg.val_bytes), count, gkey, gstart, ranks, zs))
+    check_status(ngroups, where)
+    return gkey[:ngroups], gstart[:ngroups + 1], ranks, zs
 
 
 def decode_ctx(seg: Segment, base: np.ndarray, dtype: DType, where: str) -> Segment:
-    """The same segment with its ctx streams re-coded as plain gaps and varint/zigzag values,
-    decoded against `base` (the range's words the segment applies to; read only).
+    """The same segment with its context-coded streams (ctx or ans) re-coded as plain gaps and
+    varint/zigzag values, decoded against `base` (the range's words the segment applies to;
+    read only). Any other segment is returned as it is.
 
     Raises:
         FormatError: corrupt or hostile streams (refused before any work proportional to a
             declared count that the streams cannot hold).
     """
-    if seg.positions != Positions.CTX:
+    if seg.positions not in CONTEXT_CODINGS:
         return seg
-    check_ctx_count(seg, where)
+    gkey, gstart, ranks, zs = decode_ranks(seg, dtype, where)
     count = seg.count
     out_pos = np.empty(count, np.int64)
     out_z = np.empty(count, np.uint64)
-    status = C.ctx_decode(readonly(base), dtype.exponent_shift, np.uint64(dtype.exponent_mask),
-                          8 * dtype.width, readonly(seg.pos_bytes), readonly(seg.val_bytes), count,
-                          out_pos, out_z)
+    status = C.ctx_place(readonly(base), dtype.exponent_shift, np.uint64(dtype.exponent_mask),
+                         gkey, gstart, gkey.size, ranks, zs, out_pos, out_z)
     check_status(int(status), where)
     gaps = np.empty(10 * count + 16, np.uint8)
     glen = K.encode_gaps(readonly(out_pos), count, gaps)

@@ -18,7 +18,7 @@ from ..digest.linear import as_words, digest_affine, digest_change
 from ..errors import UsageError
 from ..tensors import DType, readonly
 from . import kernels as K
-from .coding import EncodePolicy, Op, Positions, Values
+from .coding import CONTEXT_CODERS, CONTEXT_CODINGS, EncodePolicy, Op, Positions, Values
 from .ctx import ctx_streams_ranked, group_ranks
 from .segment import Segment
 
@@ -286,7 +286,7 @@ def encode_range(rc: RangeChanges, dtype: DType, *, tensor: int, start: int,
     val_est, op, val_codec = _pick_values(ch, dtype, policy)
     ctx = None
     if policy.ctx and policy.groups and policy.mask_ops and dtype.is_float:
-        ctx = _ctx_segment(rc, dtype, tensor, start, op)
+        ctx = _ctx_segment(rc, dtype, tensor, start, op, policy)
         if ctx is not None and pos.size >= _CTX_SURE:
             # on this many changes the context coder's adaptive models have learnt what order-0
             # coders cannot (measured on every real and synthetic trajectory of the bench), so
@@ -324,19 +324,22 @@ def encode_range(rc: RangeChanges, dtype: DType, *, tensor: int, start: int,
 _CTX_SURE = 4096
 
 
-def _ctx_segment(rc: RangeChanges, dtype: DType, tensor: int, start: int,
-                 op: Op) -> Segment | None:
-    """The context-coded segment of these changes with the op the value estimate chose, or None
-    where that is overwrite (values that xor/add do not code smaller: ctx codes only those two)
-    or the changes span more exponent groups than the coding models."""
+def _ctx_segment(rc: RangeChanges, dtype: DType, tensor: int, start: int, op: Op,
+                 policy: EncodePolicy) -> Segment | None:
+    """The context-coded segment (the policy's coder) of these changes with the op the value
+    estimate chose, or None where that is overwrite (values that xor/add do not code smaller:
+    context codings code only those two) or the changes span more exponent groups than the
+    coding models."""
     ch = rc.changes
     if op == Op.OVERWRITE or ch is None:
         return None
-    streams = ctx_streams_ranked(*rc.ranks(0, rc.numel, ch.pos), ch.old, ch.new, dtype, op)
+    coding = CONTEXT_CODERS[policy.coder]
+    streams = ctx_streams_ranked(*rc.ranks(0, rc.numel, ch.pos), ch.old, ch.new, dtype, op,
+                                 coding)
     if streams is None:
         return None
     pos_bytes, val_bytes = streams
-    return Segment(tensor, start, start + rc.numel, op, Positions.CTX, Values.CTX,
+    return Segment(tensor, start, start + rc.numel, op, coding, CONTEXT_CODINGS[coding],
                    int(ch.pos.size), pos_bytes, val_bytes)
 
 

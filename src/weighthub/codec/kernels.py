@@ -461,18 +461,25 @@ def group_ranks(old, pos, count, shift, gmask, keys, ranks):
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def group_order(keys, count, size):
-    """Group-major order of `count` changes by key (< size): a counting sort, stable, so ranks
-    stay increasing within a group. Returns (start, order, ngroups): group e's changes are
-    order[start[e]:start[e + 1]] (indexes into keys), ngroups the non-empty groups."""
+def group_starts(keys, count, size):
+    """(start, ngroups) of `count` changes by key (< size): group e's changes are the
+    [start[e], start[e + 1]) of a group-major order, ngroups the non-empty groups."""
     start = np.zeros(size + 1, np.int64)
     for t in range(count):
         start[keys[t] + _U1] += 1
     ngroups = 0
     for e in range(size):
         ngroups += start[e + 1] > 0
-    for e in range(size):
         start[e + 1] += start[e]
+    return start, ngroups
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def group_order(keys, count, size):
+    """Group-major order of `count` changes by key (< size): a counting sort, stable, so ranks
+    stay increasing within a group. Returns (start, order, ngroups): group e's changes are
+    order[start[e]:start[e + 1]] (indexes into keys), ngroups the non-empty groups."""
+    start, ngroups = group_starts(keys, count, size)
     order = np.empty(count, np.int64)
     fill = start[:size].copy()
     for t in range(count):

@@ -5,6 +5,9 @@ coding"; the streams themselves are in codec.ctx_kernels).
 Why a binary adaptive coder rather than rANS with frequency tables: no table to transmit or
 validate (a segment's tables would cost more than the learning does on the many small tensors of
 a model), and a hostile stream cannot describe an invalid model; every decision is bounded-cost.
+(codec.ans keeps those properties with adaptive multi-symbol models under rANS, several times
+faster per symbol; it is the default now, and this coder stays readable and writable for
+receivers older than it.)
 Probabilities are clamped to [P_MIN, P_TOTAL − P_MIN], so a decision costs at least
 log2(P_TOTAL / (P_TOTAL − P_MIN)) bits: that lower bound is what lets a reader refuse a declared
 count that its stream bytes cannot hold, before allocating anything for it.

@@ -100,8 +100,8 @@ _STATUS = {
     K.TRAILING_BYTES: "a stream has bytes left after its last entry",
     K.BAD_VARINT: "a varint is longer than 10 bytes",
     K.BAD_CODE: "a context-coded stream decodes to a value the format forbids (a group table "
-                "out of range, a bit length over 64, a gap past the range, or a final code "
-                "that is not 0)",
+                "out of range, a bit length over 64, a gap past the range, a symbol out of "
+                "range, or a final coder state that is not the initial one)",
 }
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from ..codec.coding import Op, Positions, Values, check_coding, parse_enum
+from ..codec.coding import CONTEXT_CODINGS, Op, Positions, Values, check_coding, parse_enum
 from ..codec.segment import Segment
 from ..errors import ChecksumError, FormatError, FormatVersionError, LimitError, UsageError
 
@@ -95,7 +95,7 @@ def encode_chunk(segments: list[Segment], *, compress: bool | None = None,
                          "use a smaller chunk span")
     if compress is None:
         coded = sum(s.pos_bytes.size + s.val_bytes.size for s in segments
-                    if s.positions == Positions.CTX)
+                    if s.positions in CONTEXT_CODINGS)
         compress = coded == 0 or coded * 8 < raw_len * 7
     if compress:
         cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)

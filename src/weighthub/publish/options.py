@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from ..chunking import MIN_SPAN
 from ..codec import EncodePolicy
+from ..codec.coding import CONTEXT_CODERS
 from ..errors import UsageError
 
 DELTA_SPAN_BYTES = 32 << 20  # dense bytes per delta chunk (≈0.1-1 MiB on the wire at RL rates)
@@ -91,6 +92,10 @@ class PublishOptions:
         if self.policy.frame_version not in (1, 2):
             raise UsageError(f"EncodePolicy(frame_version={self.policy.frame_version!r}): chunk "
                              "frames are version 2, or 1 for receivers older than version 2")
+        if self.policy.coder not in CONTEXT_CODERS:
+            raise UsageError(f"EncodePolicy(coder={self.policy.coder!r}): context-coded segments "
+                             f"use {sorted(CONTEXT_CODERS)}: 'ans', or 'range' for receivers "
+                             "older than the ans coding")
 
     def is_anchor(self, version: int) -> bool:
         """Does `version` get a full representation besides its delta?"""

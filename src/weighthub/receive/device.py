@@ -28,12 +28,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..codec import ctx_kernels as C
 from ..codec import device as D
 from ..codec import kernels as K
 from ..codec.apply import bitmap_positions, group_table
-from ..codec.coding import Op, Positions, check_coding
-from ..codec.ctx import check_ctx_count
+from ..codec.coding import CONTEXT_CODINGS, Op, Positions, check_coding
+from ..codec.ctx import check_ctx_count, decode_ranks
 from ..codec.segment import Segment, UndoLog, check_status
 from ..digest import device as digest_device
 from ..errors import FormatError, UsageError
@@ -133,7 +132,7 @@ def decode_segment(seg: Segment, base: torch.Tensor | None, dtype: DType, where:
         return DeviceSegment(seg.tensor, seg.start, seg.stop, seg.op, None, words)
     if not 0 <= seg.count <= n:
         raise FormatError(f"{where}: {seg.count} changes in a range of {n} elements")
-    if seg.positions == Positions.CTX:
+    if seg.positions in CONTEXT_CODINGS:
         check_ctx_count(seg, where)  # before anything the count sizes is allocated
     count, width = seg.count, dtype.width
     z = np.empty(count, np.uint64)
@@ -164,14 +163,8 @@ def decode_segment(seg: Segment, base: torch.Tensor | None, dtype: DType, where:
                                                width, z)), where)
         gstart = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         group_major_values = False  # a grouped segment's values run in position order
-    else:  # CTX (check_coding allows no other)
-        size = dtype.exponent_mask + 1
-        gkey, gstart = np.empty(size, np.int64), np.zeros(size + 1, np.int64)
-        ranks = np.empty(count, np.int64)
-        ngroups = int(C.ctx_decode_ranks(n, size, 8 * width, readonly(seg.pos_bytes),
-                                         readonly(seg.val_bytes), count, gkey, gstart, ranks, z))
-        check_status(ngroups, where)
-        gkey, gstart = gkey[:ngroups], gstart[:ngroups + 1]
+    else:  # context-coded (check_coding allows no other)
+        gkey, gstart, ranks, z = decode_ranks(seg, dtype, where)
         group_major_values = True
     placed = D.place_ranks(base, dtype.exponent_shift, dtype.exponent_mask, gkey, gstart, ranks)
     if placed is None:

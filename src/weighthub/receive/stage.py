@@ -27,6 +27,7 @@ import torch
 
 from .. import catalog
 from ..codec import Op, Positions, Segment, regap_segment
+from ..codec.coding import CONTEXT_CODINGS
 from ..codec.digest import staged_old_digest
 from ..errors import FormatError, ObjectNotFound
 from ..format import ChunkFrame, ChunkRef, Manifest, decode_chunk
@@ -138,7 +139,7 @@ def regap(seg: Segment, specs: list[TensorSpec], base_bits: Mapping[str, Words],
     the held bits, before the pause (host tensors; device ones: `device_decoded`)."""
     spec = specs[seg.tensor]
     base = _host_base(base_bits, spec)
-    if seg.positions not in (Positions.GROUPS, Positions.CTX) or base is None:
+    if (seg.positions != Positions.GROUPS and seg.positions not in CONTEXT_CODINGS) or base is None:
         return seg  # nothing to do, or a mismatch the apply step reports properly
     return regap_segment(seg, base[seg.start: seg.stop], spec.dtype, where)
 
