@@ -238,8 +238,8 @@ def test_json_contract(tiny_doc: dict[str, Any]) -> None:
     assert set(run["codecs"]) == set(runner.CODECS)
     changed = sum(s["changed"] for s in run["steps"])
     bound = run["codecs"]["bound_ctx"]["payload_bytes"]
-    for name in ("weighthub", "weighthub_v1", "weighthub_fast", "dense", "dense_zstd", "sparserl",
-                 "sparserl_zstd", "nemo", "bound_order0", "bound_ctx"):
+    for name in ("weighthub", "weighthub_range", "weighthub_v1", "weighthub_fast", "dense",
+                 "dense_zstd", "sparserl", "sparserl_zstd", "nemo", "bound_order0", "bound_ctx"):
         c = run["codecs"][name]
         assert c["payload_bytes"] > 0
         assert c["dense_bytes"] == 3 * (300 * 200 + 5000) * 2
@@ -248,6 +248,9 @@ def test_json_contract(tiny_doc: dict[str, Any]) -> None:
     assert run["codecs"]["sparserl"]["bits_per_changed_word"] == pytest.approx(48.0)  # 4+2 bytes
     assert doc["config"]["policies"]["weighthub_v1"]["ctx"] is False
     assert doc["config"]["policies"]["weighthub"]["ctx"] is True
+    assert doc["config"]["policies"]["weighthub"]["coder"] == "ans"
+    assert doc["config"]["policies"]["weighthub_range"] == {**doc["config"]["policies"]["weighthub"],
+                                                           "coder": "range"}
     assert doc["config"]["policies"]["weighthub_fast"] == {**doc["config"]["policies"]["weighthub"],
                                                           "groups": False, "ctx": False}
     # coder speed on the one step with 1-3% changed (the tiny steps change ~2%, 4%, 6%)
@@ -287,7 +290,7 @@ def test_report_and_plots(tiny_doc: dict[str, Any], tmp_path: Any) -> None:
     for heading in ("## Targets", "## Payload", "## Throughput", "## Coder speed", "## Projection",
                     "## Bounds"):
         assert heading in text
-    assert "| weighthub | weighthub_v1 | weighthub_fast |" in text
+    assert "| weighthub | weighthub_range | weighthub_v1 | weighthub_fast |" in text
     # every goal is explained, and the report says it measures rather than gates
     targets_section = text.split("## Targets", 1)[1].split("## Payload", 1)[0]
     assert "does not gate" in targets_section
@@ -303,3 +306,24 @@ def test_cli_refuses_unwritable_output_before_work(tmp_path: Any, capsys: Any) -
     assert main(["bench", "--quick", "--json", str(blocker / "out.json")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("weighthub: error: cannot write benchmark output") and "\n" not in err
+
+
+def test_codec_speed_times_ans_and_range_side_by_side() -> None:
+    """An Adam-like bf16 step (small relative moves, ~2% of words change) is context-coded; the
+    figures cover both coders on the same tensors and both decodes were checked bit-exact."""
+    from weighthub.bench import codec_speed, throughput
+    from weighthub.tensors import dtype_of
+
+    g = torch.Generator().manual_seed(3)
+    old = (torch.randn(400, 300, generator=g) * 0.02).bfloat16()
+    step = torch.randn(old.shape, generator=g) * 2e-6  # lr 2e-6, |Adam update| ~ lr
+    new = (old.float() + step).bfloat16()
+    bits = [t.view(torch.int16).numpy().view(np.uint16).reshape(-1).copy() for t in (old, new)]
+    speed = codec_speed.measure([throughput.Pair(bits[0], bits[1], dtype_of(old))], reps=1)
+    ctx = speed["ctx"]
+    assert 0.005 < speed["change_rate"] < 0.2 and ctx["changed"] == speed["changed"]
+    assert set(ctx["mbps"]) == {"ctx_encode", "ctx_decode", "range_encode", "range_decode"}
+    assert all(0 < f["worst"] <= f["best"] for f in ctx["mbps"].values())
+    # both coders sit far below 4 index bytes + one value word per change
+    assert 0 < ctx["wire_bytes"] < ctx["compact_stream_bytes"] / 2
+    assert 0 < ctx["range_wire_bytes"] < ctx["compact_stream_bytes"] / 2

@@ -5,11 +5,14 @@ over `reps` repeats so that every figure sees the same machine noise:
 
     xor             np.bitwise_xor(old, new, out=preallocated): the ceiling of any encoder
     scan            codec.changed_positions: change detection alone
-    encode_compact  encode_segment with the `compact` profile (context coding on)
+    encode_compact  encode_segment with the `compact` profile (context coding on: ans)
     encode_fast     encode_segment with the `fast` profile (plain gaps, no ctx, no groups)
-    ctx_encode      the ctx coder alone: codec.ctx.ctx_streams on the scan's compacted changes
-    ctx_decode      codec.ctx.decode_ctx (ctx streams → plain gaps + varint/zigzag against the
-                    base words): what a receiver runs while staging
+    ctx_encode      the context coder alone (`compact`'s: ans): codec.ctx.ctx_streams on the
+                    scan's compacted changes
+    ctx_decode      codec.ctx.decode_ctx (the context-coded streams → plain gaps + varint/zigzag
+                    against the base words): what a receiver runs while staging
+    range_encode, range_decode
+                    the same two for the range coder (`ctx`, coder="range"), side by side
     pause_staged    apply_segment of the staged segment (the compact one after regap_segment)
     pause_fast      apply_segment of the same delta coded `fast`
 
@@ -28,21 +31,21 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..codec import Positions, Segment, UndoLog, apply_segment, changed_positions, encode_segment
+from ..codec import Positions, Segment, UndoLog, Values, apply_segment, changed_positions, encode_segment
 from ..codec.apply import regap_segment
-from ..codec.coding import ENCODE_PROFILES, EncodePolicy
+from ..codec.coding import CONTEXT_CODINGS, ENCODE_PROFILES, EncodePolicy
 from ..codec.ctx import ctx_streams, decode_ctx
 from .throughput import Pair
 
 POSITION_BYTES = 4  # the compact stream's bytes per changed element, besides the value word
 STATE_FIGURES = ("xor", "scan", "encode_compact", "encode_fast", "pause_staged", "pause_fast")
-CTX_FIGURES = ("ctx_encode", "ctx_decode")
+CTX_FIGURES = ("ctx_encode", "ctx_decode", "range_encode", "range_decode")
 
 
 @dataclass(slots=True)
@@ -56,6 +59,7 @@ class _Prepared:
     compact: Segment | None
     staged: Segment | None
     fast: Segment | None
+    ranged: Segment | None  # the compact segment's changes, range-coded (if context-coded)
 
 
 def compact_stream_bytes(changed: int, width: int) -> int:
@@ -75,7 +79,13 @@ def _prepare(pairs: Sequence[Pair], compact: EncodePolicy, fast: EncodePolicy) -
         c = encode_segment(p.old, p.new, p.dtype, tensor=i, start=0, policy=compact)
         f = encode_segment(p.old, p.new, p.dtype, tensor=i, start=0, policy=fast)
         staged = None if c is None else regap_segment(c, p.old, p.dtype, f"bench tensor {i}")
-        out.append(_Prepared(p, pos, p.old[pos], p.new[pos], c, staged, f))
+        ranged = None
+        if c is not None and c.positions in CONTEXT_CODINGS:
+            streams = ctx_streams(p.old, pos, p.old[pos], p.new[pos], p.dtype, c.op, Positions.CTX)
+            ranged = None if streams is None else replace(c, positions=Positions.CTX,
+                                                          values=Values.CTX, pos_bytes=streams[0],
+                                                          val_bytes=streams[1])
+        out.append(_Prepared(p, pos, p.old[pos], p.new[pos], c, staged, f, ranged))
     return out
 
 
@@ -111,8 +121,9 @@ def _measure(pairs: Sequence[Pair], reps: int, compact: EncodePolicy,
     n = len(prep)
     scratch = [np.empty_like(p.new) for p in pairs]
     ctx_idx = [i for i, t in enumerate(prep) if t.compact is not None
-               and t.compact.positions == Positions.CTX]
+               and t.compact.positions in CONTEXT_CODINGS and t.ranged is not None]
     decoded: list[Segment | None] = [None] * n
+    range_decoded: list[Segment | None] = [None] * n
 
     def reset() -> None:
         for dst, p in zip(scratch, pairs, strict=True):
@@ -125,15 +136,19 @@ def _measure(pairs: Sequence[Pair], reps: int, compact: EncodePolicy,
                 apply_segment(seg, scratch[i], pairs[i].dtype, UndoLog(), f"bench tensor {i}")
         return work
 
-    def ctx_encode(i: int) -> None:
-        t, seg = prep[i], prep[i].compact
-        assert seg is not None  # ctx_idx holds only ctx-coded tensors
-        ctx_streams(t.pair.old, t.pos, t.oldv, t.newv, t.pair.dtype, seg.op)
+    def encoder(attr: str) -> Callable[[int], object]:
+        def work(i: int) -> None:
+            t, seg = prep[i], getattr(prep[i], attr)
+            assert seg is not None  # ctx_idx holds only context-coded tensors
+            ctx_streams(t.pair.old, t.pos, t.oldv, t.newv, t.pair.dtype, seg.op, seg.positions)
+        return work
 
-    def ctx_decode(i: int) -> None:
-        seg = prep[i].compact
-        assert seg is not None
-        decoded[i] = decode_ctx(seg, pairs[i].old, pairs[i].dtype, f"bench tensor {i}")
+    def decoder(attr: str, into: list[Segment | None]) -> Callable[[int], object]:
+        def work(i: int) -> None:
+            seg = getattr(prep[i], attr)
+            assert seg is not None
+            into[i] = decode_ctx(seg, pairs[i].old, pairs[i].dtype, f"bench tensor {i}")
+        return work
 
     every = range(n)
     figures: dict[str, tuple[Callable[[int], object], Sequence[int], bool]] = {
@@ -143,8 +158,10 @@ def _measure(pairs: Sequence[Pair], reps: int, compact: EncodePolicy,
                                                     tensor=i, start=0, policy=compact), every, False),
         "encode_fast": (lambda i: encode_segment(pairs[i].old, pairs[i].new, pairs[i].dtype,
                                                  tensor=i, start=0, policy=fast), every, False),
-        "ctx_encode": (ctx_encode, ctx_idx, False),
-        "ctx_decode": (ctx_decode, ctx_idx, False),
+        "ctx_encode": (encoder("compact"), ctx_idx, False),
+        "ctx_decode": (decoder("compact", decoded), ctx_idx, False),
+        "range_encode": (encoder("ranged"), ctx_idx, False),
+        "range_decode": (decoder("ranged", range_decoded), ctx_idx, False),
         "pause_staged": (pause("staged"), every, True),
         "pause_fast": (pause("fast"), every, True),
     }
@@ -156,10 +173,11 @@ def _measure(pairs: Sequence[Pair], reps: int, compact: EncodePolicy,
         if resets:
             _check_exact(name, scratch, pairs)
     for i in ctx_idx:
-        got, want = decoded[i], prep[i].staged
-        if got is None or want is None or not (np.array_equal(got.pos_bytes, want.pos_bytes)
-                                               and np.array_equal(got.val_bytes, want.val_bytes)):
-            raise RuntimeError(f"decode_ctx of tensor {i} differs from regap_segment's")
+        want = prep[i].staged
+        for got in (decoded[i], range_decoded[i]):
+            if got is None or want is None or not (np.array_equal(got.pos_bytes, want.pos_bytes)
+                                                   and np.array_equal(got.val_bytes, want.val_bytes)):
+                raise RuntimeError(f"decode_ctx of tensor {i} differs from regap_segment's")
     secs: dict[str, list[float]] = {name: [] for name in figures}
     for _ in range(reps):  # round-robin: every figure sees the same stretch of machine noise
         for name, (work, idx, resets) in figures.items():
@@ -186,10 +204,11 @@ def _result(prep: list[_Prepared], ctx_idx: list[int], secs: dict[str, list[floa
     xor = gbps["xor"]["best"]
     ctx_changed = sum(int(prep[i].pos.size) for i in ctx_idx)
     stream = sum(compact_stream_bytes(int(prep[i].pos.size), prep[i].pair.dtype.width) for i in ctx_idx)
-    wire = 0
+    wire = range_wire = 0
     for i in ctx_idx:
-        seg = prep[i].compact
+        seg, ranged = prep[i].compact, prep[i].ranged
         wire += 0 if seg is None else int(seg.pos_bytes.size + seg.val_bytes.size)
+        range_wire += 0 if ranged is None else int(ranged.pos_bytes.size + ranged.val_bytes.size)
     mbps = {name: _spread(stream, secs[name], 1e6) for name in CTX_FIGURES}
     ns = {name: (min(secs[name]) * 1e9 / ctx_changed if ctx_changed else 0.0) for name in CTX_FIGURES}
     fast = gbps["pause_fast"]["best"]
@@ -200,6 +219,7 @@ def _result(prep: list[_Prepared], ctx_idx: list[int], secs: dict[str, list[floa
         "ratio_to_xor": {name: (gbps[name]["best"] / xor if xor else 0.0)
                          for name in ("scan", "encode_compact", "encode_fast")},
         "ctx": {"changed": ctx_changed, "segments": len(ctx_idx), "compact_stream_bytes": stream,
-                "wire_bytes": wire, "mbps": mbps, "ns_per_word": ns},
+                "wire_bytes": wire, "range_wire_bytes": range_wire, "mbps": mbps,
+                "ns_per_word": ns},
         "pause_ratio": gbps["pause_staged"]["best"] / fast if fast else 0.0,
     }

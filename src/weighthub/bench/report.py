@@ -6,14 +6,16 @@ JSON document (keys other tools read are marked *):
     change_rate* changed words / words, over all steps
     codecs*      name → {payload_bytes*, dense_bytes*, ratio (to dense), bits_per_changed_word
                  (payload bytes·8 / changed words), to_bound_ctx (payload / bound_ctx)}, summed
-                 over steps, for weighthub (`compact`, ctx on), weighthub_v1 (compact before
-                 ctx), weighthub_fast (`fast`), dense, dense_zstd, sparserl, sparserl_zstd, nemo,
+                 over steps, for weighthub (`compact`: ans), weighthub_range (`compact` with the
+                 range coder, ctx), weighthub_v1 (compact before the context coding),
+                 weighthub_fast (`fast`), dense, dense_zstd, sparserl, sparserl_zstd, nemo,
                  bound_order0, bound_ctx; weighthub and weighthub_fast also carry encode_gbps*,
                  apply_gbps* (1 thread, GB/s of dense parameter bytes) and _2t twins
     throughput   figure → threads → {best, median, worst} GB/s (median over timed steps)
     codec_speed  [{step, change_rate, in_range (1–3%), gbps: {xor, scan, encode_compact,
                  encode_fast, pause_staged, pause_fast: spread}, ratio_to_xor, pause_ratio,
-                 ctx: {changed, compact_stream_bytes, mbps: {ctx_encode, ctx_decode: spread},
+                 ctx: {changed, compact_stream_bytes, mbps: {ctx_encode, ctx_decode,
+                 range_encode, range_decode: spread},
                  ns_per_word}}], one thread (bench.codec_speed)
     e2e_seconds  publish → pull through a LocalStore: {median, max} over steps
     composition  [{k, composed_bytes, singles_bytes, ratio, …}]
@@ -30,12 +32,14 @@ from typing import Any
 from . import bounds, projection
 from .targets import CODEC_SPEED_TARGETS, EXPLAIN, SIZE_TARGETS, SPEED_TARGETS
 
-CODEC_ORDER = ("weighthub", "weighthub_v1", "weighthub_fast", "nemo", "sparserl_zstd", "sparserl",
+CODEC_ORDER = ("weighthub", "weighthub_range", "weighthub_v1", "weighthub_fast", "nemo",
+               "sparserl_zstd", "sparserl",
                "dense_zstd", "dense", "bound_order0", "bound_ctx")
 CODEC_NOTES = {
     "weighthub": "chunk frames as written by Publisher (headers included), `compact` profile "
-                 "(context coding on)",
+                 "(context coding on: ans)",
     "weighthub_v1": "same, `compact` before the context coding (exponent groups, order-0 streams)",
+    "weighthub_range": "`compact` with the range coder (ctx), which ans replaced",
     "weighthub_fast": "same, `fast` profile (plain gaps, no groups, no ctx)",
     "nemo": "uint16 gaps (escape) + XOR values, zstd-1",
     "sparserl_zstd": "int32 index + raw value, zstd-1",
@@ -180,19 +184,23 @@ def _codec_speed(runs: list[dict[str, Any]]) -> list[str]:
            "figures in GB/s of old tensor bytes, with the encoders as a multiple of the XOR pass "
            "(np.bitwise_xor into a preallocated buffer). Steps: those with 1–3% of the words "
            "changed, nearest 2% first; a run with none gets its step nearest 2% (marked *, its "
-           "encode-ratio target not checked). ctx coder (codec.ctx.ctx_streams on the scan's "
-           "changes) and ctx decode (codec.ctx.decode_ctx, what a receiver runs while staging) in "
-           "MB/s of compact stream = 4 bytes of position + W bytes of value per changed word, and "
-           "ns per changed word. Pause: apply_segment of the staged (regapped) segment vs the "
-           "same delta coded `fast`.", ""]
+           "encode-ratio target not checked). Context coder (codec.ctx.ctx_streams on the scan's "
+           "changes) and context decode (codec.ctx.decode_ctx, what a receiver runs while "
+           "staging), for `compact`'s ans coder and, on the same changes, the range coder (ctx) "
+           "it replaced: MB/s of compact stream = 4 bytes of position + W bytes of value per "
+           "changed word, and ns per changed word. Pause: apply_segment of the staged (regapped) "
+           "segment vs the same delta coded `fast`.", ""]
     head = ["run", "step", "changed", "xor", "scan", "encode compact", "encode fast",
-            "ctx coder MB/s, ns/word", "ctx decode MB/s, ns/word", "pause staged", "pause fast"]
+            "ans coder MB/s, ns/word", "ans decode MB/s, ns/word", "range coder", "range decode",
+            "pause staged", "pause fast"]
     body = []
     for r, e in rows:
         g, x, c = e["gbps"], e["ratio_to_xor"], e["ctx"]
         ctx_cells = [f"{c['mbps'][k]['best']:.0f} ({c['mbps'][k]['worst']:.0f}–"
                      f"{c['mbps'][k]['best']:.0f}) {c['ns_per_word'][k]:.1f} ns" if c["changed"]
                      else "–" for k in ("ctx_encode", "ctx_decode")]
+        ctx_cells += [f"{c['mbps'][k]['best']:.0f} {c['ns_per_word'][k]:.0f} ns" if c["changed"]
+                      else "–" for k in ("range_encode", "range_decode")]
         body.append([r["trajectory"], f"{e['step']}{'' if e['in_range'] else '*'}",
                      _pct(e["change_rate"]), _gbps(g["xor"]),
                      f"{_gbps(g['scan'])} {x['scan']:.2f}×",

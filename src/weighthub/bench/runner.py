@@ -21,7 +21,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -38,9 +38,11 @@ from . import baselines, bounds, codec_speed, projection, targets, throughput
 Progress = Callable[[str], None]
 
 # weighthub_v1: the `compact` profile as it was before the context coding (issue #16), kept to
-# show what ctx gains on the same deltas
-POLICIES = {"weighthub": ENCODE_PROFILES["compact"], "weighthub_v1": ENCODE_PROFILES["grouped"],
-            "weighthub_fast": ENCODE_PROFILES["fast"]}
+# show what the context coding gains on the same deltas; weighthub_range: `compact` with the
+# range coder (ctx) that ans replaced, to show what ans costs in bytes
+POLICIES = {"weighthub": ENCODE_PROFILES["compact"],
+            "weighthub_range": replace(ENCODE_PROFILES["compact"], coder="range"),
+            "weighthub_v1": ENCODE_PROFILES["grouped"], "weighthub_fast": ENCODE_PROFILES["fast"]}
 THROUGHPUT_POLICIES = ("weighthub", "weighthub_fast")  # timed in bench.throughput (1 and 2 threads)
 CODECS = (*POLICIES, *baselines.BASELINES, "bound_order0", "bound_ctx")
 # codec_speed: steps with this change rate are the ones its targets are stated for
@@ -229,8 +231,11 @@ def _codec_speed(traj: TrajectoryLike, steps: list[dict[str, Any]], cfg: BenchCo
         out.append({"step": i, "change_rate": s["change_rate"],
                     "in_range": lo <= s["change_rate"] <= hi, **m})
         progress(f"{traj.name}: coder speed on step {i} ({s['change_rate']:.2%} changed): encode "
-                 f"compact {m['ratio_to_xor']['encode_compact']:.2f}× XOR, ctx decode "
-                 f"{m['ctx']['mbps']['ctx_decode']['best']:.0f} MB/s, pause "
+                 f"compact {m['ratio_to_xor']['encode_compact']:.2f}× XOR, ans coder "
+                 f"{m['ctx']['ns_per_word']['ctx_encode']:.0f} ns/change (range coder "
+                 f"{m['ctx']['ns_per_word']['range_encode']:.0f}), ans decode "
+                 f"{m['ctx']['mbps']['ctx_decode']['best']:.0f} MB/s (range "
+                 f"{m['ctx']['mbps']['range_decode']['best']:.0f}), pause "
                  f"{m['pause_ratio']:.2f}× fast")
     return out
 

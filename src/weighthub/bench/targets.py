@@ -35,7 +35,8 @@ EXPLAIN = {
     "encode_vs_xor": "single-thread `compact` encode GB/s ÷ the XOR pass's GB/s (np.bitwise_xor "
                      "into a preallocated buffer) on the same buffers, at 1-3% changed",
     "ctx_decode_mbps": "MB/s of compact stream (4 bytes of position + W of value per changed "
-                       "word) per core decoding ctx streams while staging (codec.ctx.decode_ctx)",
+                       "word) per core decoding the context-coded streams (`compact`'s coder, ans) while "
+                       "staging (codec.ctx.decode_ctx)",
     "pause_vs_fast": "apply GB/s of the staged (regapped) compact segment ÷ apply GB/s of the "
                      "same delta coded `fast`: the pause must not get slower (0.95 = noise)",
 }
