@@ -8,6 +8,7 @@ result into the engine's original ("kernel") storage.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import pytest
 import torch
@@ -146,11 +147,8 @@ def test_overlapping_copies_are_not_xored_twice() -> None:
     assert rec.consumed == {"s"}
 
 
-def test_a_failed_push_restores_the_engine_and_the_mirror() -> None:
-    """Receiver + EngineTarget: the loader fails midway through v1; the engine is put back."""
-    from weighthub import catalog
-    from weighthub.engines.vllm_target import EngineTarget
-    from weighthub.errors import ApplyError
+def _published() -> tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor], Any]:
+    """A store with v0 and v1 (every tensor changed), and a host mirror synced to v0."""
     from weighthub.publish import Publisher
     from weighthub.receive import Receiver
     from weighthub.store import MemoryStore
@@ -166,6 +164,21 @@ def test_a_failed_push_restores_the_engine_and_the_mirror() -> None:
     pub.publish(s1)
     mirror = StateDictTarget({})
     Receiver(store, mirror).sync(0)
+    return store, s0, s1, mirror
+
+
+def _digests(store: Any, version: int) -> dict[str, str]:
+    from weighthub import catalog
+    return {e.name: e.digest for e in catalog.primary_manifest(store, version).tensors}
+
+
+def test_a_failed_push_restores_the_engine_and_the_mirror() -> None:
+    """Receiver + EngineTarget: the loader fails midway through v1; the engine is put back."""
+    from weighthub.engines.vllm_target import EngineTarget
+    from weighthub.errors import ApplyError
+    from weighthub.receive import Receiver
+
+    store, s0, s1, mirror = _published()
     model = _Toy()
     calls = {"n": 0, "fail_at": -1}
     inner = _loader(model)
@@ -179,8 +192,7 @@ def test_a_failed_push_restores_the_engine_and_the_mirror() -> None:
 
     placement = EnginePlacement(model, flaky, sorted(s0))
     placement.overwrite(sorted(set(placement.groups.values()), key=lambda g: g.module), s0)
-    digests = {e.name: e.digest for e in catalog.primary_manifest(store, 0).tensors}
-    rx = Receiver(store, EngineTarget(mirror, placement, store, digests))
+    rx = Receiver(store, EngineTarget(mirror, placement, store, _digests(store, 0)))
     calls.update(n=0, fail_at=3)  # after two tensors of v1 reached the engine
     with pytest.raises(ApplyError, match="loader died"):
         rx.sync(1)
@@ -189,3 +201,41 @@ def test_a_failed_push_restores_the_engine_and_the_mirror() -> None:
     calls.update(n=0, fail_at=-1)
     rx.sync(1)
     assert rx.version == 1 and _engine_holds(model, s1)
+
+
+class _Unreachable:
+    """A store the pause must not touch (in a real cluster it may sit across a slow link)."""
+
+    url = "s3://far-away/policy"
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"the pause used the store ({name})")
+
+
+def test_commit_takes_the_staged_manifest_without_reading_the_store() -> None:
+    from weighthub.engines.vllm_target import EngineTarget
+    from weighthub.errors import ApplyError
+    from weighthub.receive import Receiver
+
+    store, s0, s1, mirror = _published()
+    model, placement, _ = _bound()
+    target = EngineTarget(mirror, placement, store, _digests(store, 0))
+    rx = Receiver(store, target)
+    staged = rx.stage(1)
+    assert staged.arrives is not None and staged.arrives.version == 1
+    target.expect(staged.arrives)
+    target.store = _Unreachable()  # type: ignore[assignment]
+    rx.apply(staged)
+    assert rx.version == 1 and _engine_holds(model, s1)
+    assert target.digests == _digests(store, 1) and target.expected is None
+
+    # an expectation of another version is not taken: the digests come from the store
+    target.store = store
+    target.expect(staged.arrives)
+    rx.sync(0)  # back to v0 (inverse delta), expecting v1's manifest
+    assert target.digests == _digests(store, 0) and _engine_holds(model, s0)
+    target.store = _Unreachable()  # type: ignore[assignment]
+    rx = Receiver(store, target)
+    with pytest.raises(ApplyError, match="the pause used the store"):  # no expectation given
+        rx.apply(rx.stage(1))
+    assert rx.version == 0 and _engine_holds(model, s0)

@@ -230,10 +230,12 @@ class WeighthubWorker:
                 and version in (None, pending[2].version) and pending[2].held == target.held():
             _url, receiver, staged = pending
         target.store = receiver.store  # the manifest digests come from where the version came
+        target.expect(staged.arrives if staged is not None else None)
         try:
             result = receiver.apply(staged) if staged is not None else receiver.sync(version)
         finally:
             target.store = self._weighthub[0].store
+            target.expect(None)
         report = target.report if result.route else PushReport()
         return {"version": result.version, "from_version": result.from_version,
                 "prestaged": staged is not None,

@@ -9,6 +9,7 @@ import torch
 
 from .. import errors
 from ..digest import digest_bits
+from ..format import Manifest
 from ..store import Store
 from ..targets.base import Held, TargetWrapper
 from ..targets.state_dict import StateDictTarget
@@ -42,9 +43,21 @@ class EngineTarget(TargetWrapper):
         self.report = PushReport()
         self._pushed: list[Group] = []
         self.vote: Vote | None = None  # a TP commit vote this transaction takes part in
+        self.expected: Manifest | None = None  # the staged version's manifest (`expect`)
+
+    def expect(self, manifest: Manifest | None) -> None:
+        """The manifest of the version the next commit arrives at, read while staging: its
+        digests then need no store read in the pause (the store may be across a slow link)."""
+        self.expected = manifest
+
+    def _digests_at(self, held: Held) -> dict[str, str]:
+        m, self.expected = self.expected, None
+        if m is not None and (m.version, m.root) == (held.version, held.root):
+            return {e.name: e.digest for e in m.tensors}
+        return digests_of(self.store, held.version)
 
     def commit(self, held: Held) -> None:
-        new = digests_of(self.store, held.version)
+        new = self._digests_at(held)
         changed = [n for n, d in new.items() if self.digests.get(n) != d]
         self._pushed = expand(changed, self.placement.groups)  # before pushing: abort restores
         if self.in_place:  # the engine's parameters already hold the verified new bits

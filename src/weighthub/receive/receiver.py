@@ -16,6 +16,7 @@ from typing import Literal
 
 from .. import catalog
 from ..errors import BaseMismatch, ObjectNotFound, UsageError
+from ..format import Manifest
 from ..sources import SourceList
 from ..store import Store
 from ..targets.base import Held, Target
@@ -84,6 +85,12 @@ class Staged:
     def backward(self) -> bool:
         """Does the route undo deltas (apply at least one inversely)?"""
         return _backward(self.route)
+
+    @property
+    def arrives(self) -> Manifest | None:
+        """The manifest of `version` (its tensor digests and root), read while staging; None
+        when the target already held it."""
+        return self._steps[-1].arrives if self._steps else None
 
 
 class Receiver:
