@@ -15,30 +15,36 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ...errors import UsageError
 from .cluster import local_cluster
 from .loop import GRPOLoop, RLConfig
+from .options import ENV
 from .sync import WeightSync
 
-ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-       "TOKENIZERS_PARALLELISM": "false"}
+NODES_TIMEOUT_S = 120.0
 
 
-HEADER = (f"{'step':>4} {'reward':>6} {'drift':>6} {'ver':>3} {'chg':>6} {'refit':>7} {'pause':>7} "
-          f"{'wh MB':>7} {'ray s':>7} {'ray MB':>7} {'x':>5}  attested (engine:version:root)")
+def header(wire: bool = False) -> str:
+    """The per-step table's header; `wire`: with the link's bytes per route (`--link-dev`)."""
+    link = f" {'wh wire':>7} {'ray wire':>8}" if wire else ""
+    return (f"{'step':>4} {'reward':>6} {'drift':>6} {'ver':>3} {'chg':>6} {'refit':>7} {'pause':>7} "
+            f"{'wh MB':>7} {'ray s':>7} {'ray MB':>7} {'x':>5}{link}  attested (engine:version:root)")
 
 
-def format_row(r: dict[str, Any]) -> str:
+def format_row(r: dict[str, Any], wire: bool = False) -> str:
     refit, base = r.get("refit_s"), r.get("baseline_s")
     ratio = f"{base / refit:5.1f}" if refit and base else "    -"
     att = " ".join(f"{e}:v{v}:{root[:8]}" for e, v, root in r["attested"])
+    link = f" {r.get('refit_wire_bytes', 0) / 1e6:7.2f} {r.get('baseline_wire_bytes', 0) / 1e6:8.1f}" \
+        if wire else ""
     return (f"{r['step']:>4} {r['reward']:6.3f} {r['drift']:6.4f} {r['version']:>3} "
             f"{r['changed']:6.2%} {_s(refit)} {_s(r.get('pause_s', r.get('prev_pause_s')))} "
             f"{r.get('engine_bytes', 0) / 1e6:7.2f} {_s(base)} {r.get('baseline_bytes', 0) / 1e6:7.1f} "
-            f"{ratio}  {att}")
+            f"{ratio}{link}  {att}")
 
 
 def _s(v: float | None) -> str:
@@ -62,7 +68,8 @@ def summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
         return statistics.median(vals) if vals else None
 
     out: dict[str, Any] = {k: med(k) for k in ("refit_s", "baseline_s", "publish_s",
-                                               "engine_bytes", "baseline_bytes", "drift")}
+                                               "engine_bytes", "baseline_bytes", "drift",
+                                               "refit_wire_bytes", "baseline_wire_bytes")}
     out["pause_s"] = med("pause_s") if out["refit_s"] is not None else med("prev_pause_s")
     if out["refit_s"] and out["baseline_s"]:
         out["speedup"] = out["baseline_s"] / out["refit_s"]
@@ -75,33 +82,71 @@ def main(args: argparse.Namespace) -> int:
     os.environ.update({k: v for k, v in ENV.items() if k not in os.environ})
     if args.engines < 1 or args.nodes < 1:
         raise UsageError(f"--engines and --nodes must be ≥ 1, got {args.engines}, {args.nodes}")
-    work = Path(args.store).parent if args.store else Path(tempfile.mkdtemp(prefix="weighthub-rl-"))
+    if args.link_mbit is not None:  # the same run, re-entered inside a shaped-link lab
+        from .shaped import run_shaped
+        return run_shaped(args)
+    remote_store = bool(args.store) and "://" in args.store and not args.store.startswith("file://")
+    work = Path(args.store).parent if args.store and not remote_store \
+        else Path(tempfile.mkdtemp(prefix="weighthub-rl-"))
     store = args.store or str(work / "store")
     config = RLConfig(model="smollm2", store_url=store, work_dir=str(work), steps=args.steps,
                       engines=args.engines, prompts=args.prompts, samples=args.samples,
                       max_tokens=args.max_tokens, lr=args.lr, lag=args.lag, encode=args.encode,
                       seed=args.seed, baseline=not args.no_baseline,
-                      plain_cpu_weights=args.plain_cpu_weights)
+                      plain_cpu_weights=args.plain_cpu_weights, rollout_nodes=args.rollout_nodes)
     t0 = time.perf_counter()
     if args.address:
         import ray
         ray.init(address=args.address)
-        return _run(config, work, args, t0)
+        wait_for_nodes(args.nodes)
+        # daemons and the publisher listen on each node's IP: the nodes may be other machines
+        return _run(config, work, args, t0, host=None)
     with local_cluster(args.nodes):
-        return _run(config, work, args, t0)
+        return _run(config, work, args, t0, host="127.0.0.1")
 
 
-def _run(config: RLConfig, work: Path, args: argparse.Namespace, t0: float) -> int:
-    sync = WeightSync.create(config.store_url, work_dir=str(work / "daemons"), host="127.0.0.1")
-    loop = GRPOLoop(config, sync)
+def wait_for_nodes(count: int, timeout: float = NODES_TIMEOUT_S) -> None:
+    """Block until the Ray cluster has `count` alive nodes (daemons start on those alive)."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while (alive := sum(bool(n.get("Alive")) for n in ray.nodes())) < count:
+        if time.monotonic() >= deadline:
+            raise UsageError(f"the Ray cluster has {alive} alive node(s) after {timeout:g} s, "
+                             f"--nodes asks for {count}: start the missing nodes (`ray start "
+                             "--address ...`) or pass a smaller --nodes")
+        time.sleep(0.5)
+
+
+def link_counter(dev: str) -> Callable[[], int]:
+    """Bytes through network device `dev` so far, both directions (its kernel counters)."""
+    stats = Path("/sys/class/net") / dev / "statistics"
+    if not stats.is_dir():
+        raise UsageError(f"--link-dev {dev}: no such network device here ({stats} is missing)")
+
+    def count() -> int:
+        return sum(int((stats / f"{way}_bytes").read_text()) for way in ("rx", "tx"))
+    return count
+
+
+def _run(config: RLConfig, work: Path, args: argparse.Namespace, t0: float, *,
+         host: str | None) -> int:
+    import ray
+
+    wire = link_counter(args.link_dev) if args.link_dev else None
+    # the trainer's node needs no daemon when no engine runs there (GRPOLoop places them)
+    skip = [ray.get_runtime_context().get_node_id()] if config.rollout_nodes == "others" else []
+    sync = WeightSync.create(config.store_url, work_dir=str(work / "daemons"), host=host,
+                             skip_nodes=skip)
+    loop = GRPOLoop(config, sync, wire=wire)
     try:
         started = loop.start()
         print(f"cluster up, {len(sync.spec.nodes)} node daemons, hub {sync.spec.hub}; v0 published "
               f"in {started['initial']['publish_s']:.2f} s; {config.engines} engines bound, "
               f"refitting {_refit_path(started['bound'])} ({time.perf_counter() - t0:.0f} s)",
               flush=True)
-        print(HEADER, flush=True)
-        steps = loop.run(on_row=lambda row: print(format_row(row), flush=True))
+        print(header(wire is not None), flush=True)
+        steps = loop.run(on_row=lambda row: print(format_row(row, wire is not None), flush=True))
         probe = loop.probe(config.steps) if config.lag == 0 else None
     finally:
         loop.close()

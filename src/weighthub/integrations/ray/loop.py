@@ -29,6 +29,7 @@ from .sync import WeightSync
 from .trainer import GRPOTrainer
 
 DEAD_GRACE_S = 10.0  # how long a rollout actor must read as dead before it is replaced
+SETTLE_TIMEOUT_S = 60.0  # the longest wait for a quiet link after the baseline
 
 
 @dataclass(slots=True)
@@ -48,6 +49,9 @@ class RLConfig:
     baseline: bool = True
     probe: bool = True  # measure generation throughput with and without a staging in flight
     plain_cpu_weights: bool = False  # vLLM CPU without oneDNN packing: refits apply in place
+    # "all": engines spread over every Ray node; "others": only over nodes without the trainer
+    # (disaggregated: every refit crosses the network, as on a real cluster)
+    rollout_nodes: str = "all"
     engine_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -56,6 +60,24 @@ class RLConfig:
             raise UsageError(f"RLConfig: need lag 0 or 1, steps ≥ 1, engines ≥ 1, prompts ≥ "
                              f"engines, samples ≥ 2; got {self.lag}, {self.steps}, {self.engines}, "
                              f"{self.prompts}, {self.samples}")
+        if self.rollout_nodes not in ("all", "others"):
+            raise UsageError(f"RLConfig.rollout_nodes must be 'all' or 'others', got "
+                             f"{self.rollout_nodes!r}")
+
+
+def settle(wire: Callable[[], int], *, quiet_bytes: int = 64 << 10, interval_s: float = 0.5,
+           timeout_s: float = SETTLE_TIMEOUT_S) -> float:
+    """Wait until the link is quiet (fewer than `quiet_bytes` in an `interval_s`); the seconds
+    waited. Gives up after `timeout_s` (the bytes still count where they are measured)."""
+    t0 = time.perf_counter()
+    last = wire()
+    while time.perf_counter() - t0 < timeout_s:
+        time.sleep(interval_s)
+        now = wire()
+        if now - last < quiet_bytes:
+            break
+        last = now
+    return time.perf_counter() - t0
 
 
 def _pinned(cls: type, node_id: str, **options: Any) -> Any:
@@ -69,9 +91,11 @@ def _pinned(cls: type, node_id: str, **options: Any) -> Any:
 class GRPOLoop:
     """The actors of one run (started by `start`, removed by `close`) and its steps."""
 
-    def __init__(self, config: RLConfig, sync: WeightSync) -> None:
+    def __init__(self, config: RLConfig, sync: WeightSync, *,
+                 wire: Callable[[], int] | None = None) -> None:
         self.config = config
         self.sync = sync
+        self.wire = wire  # bytes across the network link so far (both ways), when measured
         self.trainer: Any = None
         self.engines: list[Any] = []
         self.initial: dict[str, Any] = {}
@@ -91,6 +115,11 @@ class GRPOLoop:
         args = {"skip_tokenizer_init": True, "enforce_eager": True, "max_model_len": 256,
                 "dtype": "bfloat16", "max_num_seqs": 16, "seed": c.seed} | c.engine_args
         self._engine_args = args
+        if c.rollout_nodes == "others":
+            nodes = [n for n in nodes if n != here]
+            if not nodes:
+                raise UsageError("rollout_nodes='others' needs a Ray node besides the trainer's "
+                                 "(the driver's); the cluster has only that one")
         self._engine_nodes = [nodes[i % len(nodes)] for i in range(c.engines)]  # spread over nodes
         self.engines = [self.engine_actor(i, node, args) for i, node in enumerate(self._engine_nodes)]
         # each attached itself at start-up; attaching again returns what it is bound to
@@ -168,6 +197,7 @@ class GRPOLoop:
             refit_results = ray.get(refits) if refits else []
             if c.lag == 1 and step + 1 < last:  # the next batch while the trainer updates
                 pending = self.generate(step + 1)
+            wire_before = self._wire()
             trained = ray.get(self.trainer.step.remote(prompts, batches))
             published_at = time.perf_counter()
             version = trained["version"]
@@ -179,6 +209,8 @@ class GRPOLoop:
                 done = ray.get(refits)
                 refits = []
                 row |= self._refit_figures(trained, done, time.perf_counter() - published_at)
+                if self.wire is not None:  # the update's publish and every engine's refit
+                    row["refit_wire_bytes"] = self._wire() - wire_before
                 if c.baseline:
                     row |= self._baseline()
                 if step + 1 < last:
@@ -231,12 +263,23 @@ class GRPOLoop:
         """The full bf16 state through Ray's object store into every engine's loader."""
         import ray
 
+        wire_before = self._wire()
         t0 = time.perf_counter()
         ref = ray.get(self.trainer.state_ref.remote())[0]
         loaded = ray.get([e.weighthub_load_state.remote(ref) for e in self.engines])
-        return {"baseline_s": time.perf_counter() - t0,
-                "baseline_load_s": max(r["seconds"] for r in loaded),
-                "baseline_bytes": sum(int(r["bytes"]) for r in loaded)}
+        out = {"baseline_s": time.perf_counter() - t0,
+               "baseline_load_s": max(r["seconds"] for r in loaded),
+               "baseline_bytes": sum(int(r["bytes"]) for r in loaded)}
+        if self.wire is not None:
+            # Ray's object manager may still be sending (duplicate pushes after losses on a
+            # shaped link): those bytes are the baseline's too, and must not land in the next
+            # refit's window or compete with it
+            out["baseline_settle_s"] = settle(self.wire)
+            out["baseline_wire_bytes"] = self._wire() - wire_before
+        return out
+
+    def _wire(self) -> int:
+        return 0 if self.wire is None else self.wire()
 
     # -- generation throughput with and without a staging in flight -----------------------------
     def probe(self, step: int) -> dict[str, Any]:

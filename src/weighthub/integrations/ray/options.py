@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+# the demo's processes (driver, raylets, actors): no model hub, a small vLLM CPU KV cache
+ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+       "TOKENIZERS_PARALLELISM": "false"}
+
 
 def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     p.add_argument("--engines", type=int, default=2, help="vLLM rollout actors (default 2)")
@@ -21,3 +25,12 @@ def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
                    help="vLLM CPU keeps linear weights plain (no oneDNN packing), so refits apply "
                         "in place in the engines' memory instead of reloading through vLLM's "
                         "loader; generation uses torch's slower CPU GEMM")
+    p.add_argument("--rollout-nodes", choices=["all", "others"], default="all",
+                   help="where the rollout engines run: 'all' Ray nodes (default) or only 'others' "
+                        "than the trainer's, so every refit crosses the network")
+    p.add_argument("--link-mbit", type=float, default=None, metavar="RATE",
+                   help="run across a shaped link (root): the trainer's and the engines' Ray nodes "
+                        "in two network namespaces joined by one veth capped at RATE Mbit/s, the "
+                        "store (SeaweedFS) on the trainer's side; reports the link's bytes per route")
+    p.add_argument("--link-dev", default=None, metavar="DEV",
+                   help="count the bytes through network device DEV per route (set by --link-mbit)")

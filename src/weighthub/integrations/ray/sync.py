@@ -69,7 +69,7 @@ class WeightSync:
     def create(cls, store_url: str, *, name: str = "weighthub", secret: bytes | None = None,
                host: str | None = None, work_dir: str | None = None, lease_ttl: float = 10.0,
                retain: int = 8, degree: int = 4, timeout: float = 10.0,
-               max_restarts: int = -1) -> WeightSync:
+               max_restarts: int = -1, skip_nodes: Iterable[str] = ()) -> WeightSync:
         """Start the hub and a node daemon on every alive Ray node (ray.init() first).
 
         Args:
@@ -80,6 +80,9 @@ class WeightSync:
             work_dir: per-node state directories (default: the temp dir).
             lease_ttl, retain, degree: the hub's (`serve hub`); timeout: the nodes' (`serve node`).
             max_restarts: Ray's restarts per daemon (-1: always).
+            skip_nodes: Ray node ids that get no daemon, now or in `add_nodes` (nodes that run
+                no engine, e.g. the trainer's: a daemon keeps a host copy of the model and
+                applies every version, for nothing there).
         """
         import ray
 
@@ -90,7 +93,7 @@ class WeightSync:
         secret = secret or secrets.token_bytes(32)
         root = work_dir or os.path.join(tempfile.gettempdir(), f"weighthub-ray-{name}")
         options = {"name": name, "host": host, "root": root, "timeout": timeout,
-                   "max_restarts": max_restarts}
+                   "max_restarts": max_restarts, "skip": frozenset(skip_nodes)}
         here = ray.get_runtime_context().get_node_id()
         hub = _actor(HubDaemon, here, max_restarts, f"{name}-hub").remote(
             os.path.join(root, "hub"), secret, host or _node_ip(ray, here),
@@ -106,7 +109,8 @@ class WeightSync:
         return cls(spec if isinstance(spec, SyncSpec) else SyncSpec.load(spec))
 
     def add_nodes(self) -> list[str]:
-        """Start daemons on alive Ray nodes that have none yet (nodes that joined later)."""
+        """Start daemons on alive Ray nodes that have none yet (nodes that joined later),
+        except the skipped ones."""
         import ray
 
         if self._hub is None:
@@ -115,7 +119,7 @@ class WeightSync:
         started = {}
         for n in ray.nodes():
             node_id = n["NodeID"]
-            if not n.get("Alive") or node_id in self.spec.nodes:
+            if not n.get("Alive") or node_id in self.spec.nodes or node_id in o["skip"]:
                 continue
             labels = labels_of(n)
             state = os.path.join(o["root"], f"node-{node_id[:16]}")
@@ -139,17 +143,29 @@ class WeightSync:
         return self.spec.save(path)
 
     # -- members --------------------------------------------------------------------------------
-    def publisher(self, *, labels: Labels | None = None, host: str = "127.0.0.1",
+    def publisher(self, *, labels: Labels | None = None, host: str | None = None,
                   **publisher_options: Any) -> NetPublisher:
         """A started NetPublisher into the group's store, relaying down the hub's tree.
 
-        `host`: where its chunk server listens (relay roots push from it; use the trainer's
-        reachable address across machines). `publisher_options`: as `Publisher` (encode,
+        `host`: where its chunk server listens (nodes fetch the chunks a push missed from it).
+        Default: loopback when the group's hub listens on loopback (one machine), else this
+        Ray node's IP (or loopback outside Ray). `publisher_options`: as `Publisher` (encode,
         anchor_every, retain, workers, ...). Close it when done.
         """
         hub = HubClient(self.spec.hub, self.spec.secret, labels=labels)
-        return NetPublisher(open_store(self.spec.store_url), self.spec.secret, hub=hub, host=host,
-                            **publisher_options).start()
+        return NetPublisher(open_store(self.spec.store_url), self.spec.secret, hub=hub,
+                            host=host or self._reachable_host(), **publisher_options).start()
+
+    def _reachable_host(self) -> str:
+        """An address of this process that the group's nodes can reach (see `publisher`)."""
+        hub_host = self.spec.hub.rpartition(":")[0].strip("[]")
+        if hub_host in ("127.0.0.1", "::1", "localhost"):
+            return "127.0.0.1"
+        try:
+            import ray
+        except ImportError:
+            return "127.0.0.1"
+        return str(ray.util.get_node_ip_address()) if ray.is_initialized() else "127.0.0.1"
 
     def sharded_publisher(self, *, group: Any = None, committer: int = 0,
                           **publisher_options: Any) -> RankPublisher:
