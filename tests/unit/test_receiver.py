@@ -571,6 +571,11 @@ def test_incremental_verify_sees_a_wrong_word_written(at_v1, monkeypatch: pytest
     def off_by_one(seg, dst, dtype, undo, where, **kw):
         if hits["n"] == 0 and seg.count:  # one value one bit off: a decoding bug's output
             hits["n"] += 1
+            prep = kw.get("prepared")
+            if prep is not None:  # decoded while staging: its first word to write is wrong
+                new = prep.new.copy()
+                new[0] ^= 1
+                kw["prepared"] = replace(prep, new=new)
             vals = seg.val_bytes.copy()
             vals[0] ^= 1  # bit 0 of a varint's first byte or of a raw word: still well formed
             seg = replace(seg, val_bytes=vals)

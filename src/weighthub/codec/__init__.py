@@ -5,6 +5,7 @@
     segment.py  `Segment` and the `UndoLog` of applying segments
     encode.py   change scan and the smallest coding per segment
     apply.py    apply in place (forwards or inversely), regap grouped positions
+    prepared.py a delta's words decoded against the held ones while staging; the pause scatters
     digest.py   the digest of the words a segment will rewrite (staged before the pause)
     kernels.py  the numba loops of all of the above
     ctx.py      the context codings (positions ranked in exponent groups, values in context of

@@ -19,7 +19,8 @@ from . import kernels as K
 from .coding import CONTEXT_CODINGS, Op, Positions, check_coding
 from .ctx import decode_ctx
 from .encode import encode_gaps, width_masks
-from .segment import Segment, UndoEntry, UndoLog, check_status
+from .prepared import PreparedSegment, apply_prepared
+from .segment import Segment, UndoEntry, UndoLog, check_sparse, check_status
 
 _NO_SUM = np.zeros(0, np.uint64)  # a digest sum not wanted (the kernels test its length)
 
@@ -67,15 +68,6 @@ def group_table(seg: Segment, dtype: DType, where: str) -> tuple[np.ndarray, np.
     return np.asarray(keys, np.int64), np.asarray(counts, np.int64), i
 
 
-def _check_sparse(seg: Segment, dtype: DType, words: np.ndarray, where: str) -> None:
-    if words.size != seg.numel or words.dtype != dtype.uint:
-        raise UsageError(f"{where}: {words.dtype}[{words.size}] words for a segment of "
-                         f"{seg.numel} {dtype.name} elements")
-    check_coding(seg.op, seg.positions, seg.values, where, is_float=dtype.is_float)
-    if not 0 <= seg.count <= seg.numel:
-        raise FormatError(f"{where}: {seg.count} changes in a range of {seg.numel} elements")
-
-
 def regap_segment(seg: Segment, base: np.ndarray, dtype: DType, where: str) -> Segment:
     """The same segment with exponent-grouped or context-coded positions re-coded as plain gaps
     (and context-coded values as varints or zigzag varints).
@@ -92,11 +84,11 @@ def regap_segment(seg: Segment, base: np.ndarray, dtype: DType, where: str) -> S
         FormatError: a coding the format forbids, or a corrupt group table or stream.
     """
     if seg.positions in CONTEXT_CODINGS:
-        _check_sparse(seg, dtype, base, where)
+        check_sparse(seg, dtype, base, where)
         return decode_ctx(seg, base, dtype, where)
     if seg.positions != Positions.GROUPS:
         return seg
-    _check_sparse(seg, dtype, base, where)
+    check_sparse(seg, dtype, base, where)
     keys, counts, offset = group_table(seg, dtype, where)
     pos = np.empty(seg.count, np.int64)
     status = K.decode_group_positions(readonly(base), dtype.exponent_shift,
@@ -129,7 +121,8 @@ def _sum(out: np.ndarray | None) -> np.ndarray:
 
 def apply_segment(seg: Segment, dst: np.ndarray, dtype: DType, undo: UndoLog,
                   where: str, *, dnew: np.ndarray | None = None,
-                  dold: np.ndarray | None = None, inverse: bool = False) -> UndoEntry | None:
+                  dold: np.ndarray | None = None, inverse: bool = False,
+                  prepared: PreparedSegment | None = None) -> UndoEntry | None:
     """Apply a segment in place to dst (the bits of exactly [seg.start, seg.stop)).
 
     Every element changed is recorded in `undo` before a FormatError (corrupt streams) is
@@ -142,6 +135,10 @@ def apply_segment(seg: Segment, dst: np.ndarray, dtype: DType, undo: UndoLog,
 
     inverse: undo the segment instead: dst holds the words it produced and gets back the words
     it was encoded against (xor: the same XOR; add: the difference subtracted).
+
+    prepared: the segment decoded while staging against the words dst holds
+    (`codec.prepared`): only its words are written, each checked against the staged old one
+    (BaseMismatch, after recording what was written, if dst changed since).
 
     Raises:
         UsageError: dst is not the segment's range in the dtype's words.
@@ -159,9 +156,15 @@ def apply_segment(seg: Segment, dst: np.ndarray, dtype: DType, undo: UndoLog,
                               "segment cannot be applied inversely (only xor/add with gaps or "
                               "bitmap positions can)")
         op = K.OP_SUB if seg.op == Op.ADD else op
+    if prepared is not None and not inverse:
+        entry, written = apply_prepared(prepared, dst, undo, where)
+        for out, lanes in ((dnew, written), (dold, prepared.old_lanes)):
+            if out is not None:
+                out += lanes  # uint64: wraps, as the kernels' sums do
+        return entry
     if seg.op == Op.DENSE:
         return _apply_dense(seg, dst, dtype, undo, where, dnew, dold)
-    _check_sparse(seg, dtype, dst, where)
+    check_sparse(seg, dtype, dst, where)
     if seg.positions in CONTEXT_CODINGS:  # decoded against dst's words before any is changed
         seg = decode_ctx(seg, dst, dtype, where)
     mask, _ = width_masks(dtype)

@@ -15,9 +15,10 @@ from typing import Protocol
 
 import numpy as np
 
-from ..errors import FormatError
+from ..errors import FormatError, UsageError
+from ..tensors import DType
 from . import kernels as K
-from .coding import Op, Positions, Values, invertible
+from .coding import Op, Positions, Values, check_coding, invertible
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,3 +112,11 @@ def check_status(status: int, where: str) -> None:
         raise FormatError(f"{where}: corrupt segment: {_STATUS.get(status, status)}")
 
 
+def check_sparse(seg: Segment, dtype: DType, words: np.ndarray, where: str) -> None:
+    """`words` must be the segment's range in the dtype's words, and its coding and count legal."""
+    if words.size != seg.numel or words.dtype != dtype.uint:
+        raise UsageError(f"{where}: {words.dtype}[{words.size}] words for a segment of "
+                         f"{seg.numel} {dtype.name} elements")
+    check_coding(seg.op, seg.positions, seg.values, where, is_float=dtype.is_float)
+    if not 0 <= seg.count <= seg.numel:
+        raise FormatError(f"{where}: {seg.count} changes in a range of {seg.numel} elements")

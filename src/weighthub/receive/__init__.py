@@ -13,7 +13,10 @@
 Where a target's tensor lives decides who applies it (DESIGN v2 "Backend"): host numpy words
 go to the numba kernels (`codec.apply`), torch word views on a device to `receive.device`
 (decoded on the host while staging, applied and digested on the device in the pause); both
-leave the same bits, and a target may mix them.
+leave the same bits, and a target may mix them. On the host, the route's first delta (applied
+forwards) is decoded against the held words while staging too (`codec.prepared`: positions,
+old and new words), so its pause is a scatter that checks each word it overwrites is the one
+staged.
 
 `engine.transact` is the one code path that opens a target, applies, verifies and commits or
 rolls back. Its inputs are `Step`s of decoded chunks (`inputs`): a store route staged by the

@@ -67,9 +67,11 @@ def apply_step(step: Step, views: Mapping[str, Words], alias: dict[str, str], un
         fold = incremental and not full
         olds = chunk.olds if chunk.olds is not None else [None] * len(chunk.frame.segments)
         decoded = chunk.decoded if chunk.decoded is not None else [None] * len(olds)
+        prepared = chunk.prepared if chunk.prepared is not None else [None] * len(olds)
         changes: list[tuple[int, bytes]] = []
         on_device: list[tuple[int, torch.Tensor]] = []
-        for seg, seg_old, dseg in zip(chunk.frame.segments, olds, decoded, strict=True):
+        for seg, seg_old, dseg, prep in zip(chunk.frame.segments, olds, decoded, prepared,
+                                            strict=True):
             spec = specs[seg.tensor]
             if alias[spec.name] != spec.name:
                 continue  # tied to an earlier name: its bits change through that one
@@ -90,7 +92,7 @@ def apply_step(step: Step, views: Mapping[str, Words], alias: dict[str, str], un
             dnew = np.zeros(2, np.uint64) if fold else None
             dold = np.zeros(2, np.uint64) if fold and seg_old is None else None
             apply_segment(seg, dst, spec.dtype, undo, f"{where}/{chunk.ref.key}",
-                          dnew=dnew, dold=dold, inverse=step.inverse)
+                          dnew=dnew, dold=dold, inverse=step.inverse, prepared=prep)
             if dnew is not None:
                 before = seg_old if dold is None else lanes_digest(dold)
                 changes.append((seg.tensor, digest_sub(lanes_digest(dnew), before or b"")))

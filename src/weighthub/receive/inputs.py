@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from ..format import ChunkFrame, ChunkRef, Manifest
 
 if TYPE_CHECKING:
+    from ..codec.prepared import PreparedSegment
     from .device import DeviceSegment
 
 
@@ -35,12 +36,16 @@ class Chunk:
     from the held bits (the first delta of a route only); None where not computed.
     `decoded`: per segment, its decoding for a tensor the target holds on a device
     (`receive.device`), done while staging; None where not (host tensors, later steps).
+    `prepared`: per segment, its words computed against the held bits of a host tensor
+    (`codec.prepared`: the pause only scatters them), done while staging the route's first
+    step forwards; None where not.
     """
 
     frame: ChunkFrame
     ref: ChunkRef
     olds: Sequence[bytes | None] | None = None
     decoded: Sequence[DeviceSegment | None] | None = None
+    prepared: Sequence[PreparedSegment | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,8 +12,10 @@ chunk_body_bound) beyond the decoded chunks of a route that passes every check (
 publish of that route would hold too); the first failure cancels the chunks not yet started.
 
 The first step of a route applies to the bits held now, so its exponent-grouped positions are
-decoded against them already (`regap`) and, for incremental verification, the digest lanes of
-the words it will replace are summed (`olds`). Nothing of the target is written.
+decoded against them already (`regap`); applied forwards, its gap-coded segments on host
+tensors are decoded to the words they write and both digest halves (`prepare`: the pause only
+scatters them), and for the others, with incremental verification, the digest lanes of the
+words they will replace are summed (`olds`). Nothing of the target is written.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from .. import catalog
 from ..codec import Op, Positions, Segment, regap_segment
 from ..codec.coding import CONTEXT_CODINGS
 from ..codec.digest import staged_old_digest
+from ..codec.prepared import PreparedSegment, prepare_segment
 from ..errors import FormatError, ObjectNotFound
 from ..format import ChunkFrame, ChunkRef, Manifest, decode_chunk
 from ..format.chunk import body_bound
@@ -73,9 +76,13 @@ def stage_route(route: list[catalog.Rep], manifests: list[tuple[Manifest, Manife
         decoded = [device_decoded(seg, first_specs, base_bits, name) for seg in frame.segments]
         frame = ChunkFrame(tuple(regap(seg, first_specs, base_bits, name)
                                  for seg in frame.segments))
-        olds = ([old_digest(seg, first_specs, base_bits, name) for seg in frame.segments]
+        prepared = [None if route[0].inverse else prepare(seg, first_specs, base_bits, name)
+                    for seg in frame.segments]
+        olds = ([None if prep is not None else old_digest(seg, first_specs, base_bits, name)
+                 for seg, prep in zip(frame.segments, prepared, strict=True)]
                 if incremental else None)
-        return Chunk(frame, ref, olds, decoded if any(decoded) else None)
+        return Chunk(frame, ref, olds, decoded if any(decoded) else None,
+                     prepared if any(p is not None for p in prepared) else None)
 
     try:
         with ThreadPoolExecutor(workers) as pool:
@@ -152,6 +159,17 @@ def old_digest(seg: Segment, specs: list[TensorSpec], base_bits: Mapping[str, Wo
     if spec is None or base is None:
         return None  # a mismatch the apply step reports properly, or a device tensor
     return staged_old_digest(seg, base[seg.start: seg.stop], spec.dtype, where)
+
+
+def prepare(seg: Segment, specs: list[TensorSpec], base_bits: Mapping[str, Words],
+            where: str) -> PreparedSegment | None:
+    """The segment's words against the held bits of its host tensor (None: not prepared: a
+    device tensor, a dense or bitmap segment, or a mismatch the apply step reports properly)."""
+    spec = specs[seg.tensor] if seg.tensor < len(specs) else None
+    base = _host_base(base_bits, spec) if spec is not None else None
+    if spec is None or base is None:
+        return None
+    return prepare_segment(seg, base[seg.start: seg.stop], spec.dtype, where)
 
 
 def device_decoded(seg: Segment, specs: list[TensorSpec], views: Mapping[str, Words],
