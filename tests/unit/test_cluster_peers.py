@@ -146,3 +146,28 @@ def test_a_relayed_manifest_is_trusted_only_with_the_hubs_digest() -> None:
     forged = good.replace(b'"version"', b'"version" ', 1)
     cache.put(key, forged)
     assert forged != good and relayed_manifest(cache, 0, chunk_checksum(good), where="t") is None
+
+
+def test_a_version_counts_as_relayed_in_full_only_with_every_chunk_at_its_size() -> None:
+    """What a node daemon tells its engines before its own apply (`relayed_in_full`)."""
+    from weighthub.cluster.relayed import relayed_in_full
+
+    store, _ = published()
+    key = catalog.rep_key(0, None, primary=True)
+    raw = store.get(key)
+    m = catalog.primary_manifest(store, 0)
+    assert len(m.chunks) >= 2
+    digest = chunk_checksum(raw)
+    cache = MemoryStore()
+    cache.put(key, raw)
+    assert not relayed_in_full(cache, 0, digest, where="t")  # no chunk pushed yet
+    for c in m.chunks[:-1]:
+        cache.put(c.key, store.get(c.key))
+    assert not relayed_in_full(cache, 0, digest, where="t")  # one missing
+    last = m.chunks[-1]
+    cache.put(last.key, store.get(last.key)[:-1])
+    assert not relayed_in_full(cache, 0, digest, where="t")  # one cut short
+    cache.put(last.key, store.get(last.key))
+    assert relayed_in_full(cache, 0, digest, where="t")
+    assert not relayed_in_full(cache, 0, None, where="t")  # the hub vouched for nothing
+    assert not relayed_in_full(cache, 0, chunk_checksum(raw + b" "), where="t")  # another manifest

@@ -142,7 +142,7 @@ class Node:
         self._thread: threading.Thread | None = None
         self._hub_down_until = 0.0
         self._wake = threading.Event()  # set by a relayed manifest
-        self._digests: dict[int, str] = {}  # version -> manifest SHA-256 the hub recorded
+        self.digests: dict[int, str] = {}  # version -> manifest SHA-256 the hub recorded
         self._told: tuple[list[int], list[int]] | None = None  # (versions, serving) last told
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -227,7 +227,7 @@ class Node:
                 if record is not None:
                     version = int(record["version"])
                     if isinstance(record.get("manifest_sha256"), str):
-                        self._digests = {version: record["manifest_sha256"]}
+                        self.digests = {version: record["manifest_sha256"]}
                     return version
             except NetError as exc:
                 self._hub_failed(exc)
@@ -235,7 +235,7 @@ class Node:
 
     def _delta(self, version: int, held: int) -> SyncResult:
         """A Receiver sync: from the relayed manifest when it is one step from `held`, else the store."""
-        raw = relayed_manifest(self.cache, version, self._digests.get(version),
+        raw = relayed_manifest(self.cache, version, self.digests.get(version),
                                where=f"node {self.config.node_id}")
         if raw is not None:
             try:

@@ -19,9 +19,9 @@ import threading
 from collections.abc import Iterator, Mapping
 
 from .. import catalog
-from ..errors import LimitError, StoreError, UsageError
+from ..errors import FormatError, LimitError, StoreError, UsageError
 from ..format import chunk_checksum
-from ..format.manifest import MAX_MANIFEST_BYTES
+from ..format.manifest import MAX_MANIFEST_BYTES, decode_manifest
 from ..store.base import Readable, Store, check_max_bytes, too_large
 
 log = logging.getLogger(__name__)
@@ -118,3 +118,17 @@ def relayed_manifest(cache: Readable, version: int, digest: str | None, *,
                     "ignoring it, reading the store's", where, version, got[:12], digest[:12])
         return None
     return raw
+
+
+def relayed_in_full(cache: Readable, version: int, digest: str | None, *, where: str) -> bool:
+    """Has a relay parent pushed `version` whole into `cache`: its manifest (hashing to the
+    hub's `digest`) and every chunk it names, at the manifest's sizes? Then the node can serve
+    the version before its own apply (the chunks' checksums are checked by whoever fetches)."""
+    raw = relayed_manifest(cache, version, digest, where=where)
+    if raw is None:
+        return False
+    try:
+        m = decode_manifest(raw, where=f"{where}: relayed manifest of version {version}")
+        return all(cache.size(c.key) == c.size for c in m.chunks)
+    except (StoreError, FormatError):  # a chunk not (yet) pushed, or a manifest not to trust
+        return False

@@ -22,6 +22,7 @@ from ...cluster import hub as hub_server
 from ...cluster.hubclient import HubClient
 from ...cluster.hubcore import HubConfig
 from ...cluster.node import Node, NodeConfig
+from ...cluster.relayed import relayed_in_full
 from ...cluster.topology import Labels
 from ...errors import PeerTimeout, UsageError
 from ...store import LocalStore, open_store
@@ -147,6 +148,32 @@ class NodeDaemon:
                 raise PeerTimeout(f"node daemon {self.node.config.node_id} does not hold version "
                                   f"{version} after {timeout:g} s (holds {held}); last events {last}")
             time.sleep(0.02)
+
+    def wait_available(self, version: int, timeout: float) -> dict[str, Any]:
+        """Block until engines on this node can stage `version` (or a newer one) from it: the
+        node holds it, or its relay parent pushed the version whole (`relayed_in_full`: the
+        manifest the hub vouched for and every chunk it names). Engines then need not wait for
+        the node's own apply into its host copy. {"held": its held version or None,
+        "relayed": whether the pushed chunks answered}.
+
+        Raises:
+            PeerTimeout: neither within `timeout` seconds (the node's last events said).
+        """
+        deadline = time.monotonic() + timeout
+        where = f"node daemon {self.node.config.node_id}"
+        while True:
+            held = self.held()
+            if held is not None and held["version"] >= version:
+                return {"held": held, "relayed": False}
+            if relayed_in_full(self.node.cache, version, self.node.digests.get(version),
+                               where=where):
+                return {"held": held, "relayed": True}
+            if time.monotonic() >= deadline:
+                with self._lock:
+                    last = self._events[-3:]
+                raise PeerTimeout(f"{where} can serve neither version {version} nor a newer one "
+                                  f"after {timeout:g} s (holds {held}); last events {last}")
+            time.sleep(0.005)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -30,7 +30,7 @@ from ...errors import AttestationError, UsageError
 from .attest import Attestation
 from .spec import SyncSpec
 
-STAGE_WAIT_S = 120.0  # longest a stage waits for this node's daemon to hold the version
+STAGE_WAIT_S = 120.0  # longest a stage waits for this node's daemon to serve the version
 _LOCKS = threading.Lock()
 
 
@@ -109,12 +109,17 @@ class RolloutEngine:
 
     def _wh_stage_now(self, spec: SyncSpec, version: int | None, wait_node: bool) -> dict[str, Any]:
         t0 = time.perf_counter()
+        relayed = False
         if wait_node and version is not None:
             import ray
             daemon = ray.get_actor(f"{spec.name}-node-{self._wh_node_id[:16]}")
-            ray.get(daemon.wait_version.remote(version, STAGE_WAIT_S), timeout=STAGE_WAIT_S + 10)
+            # the daemon's chunks as soon as they were pushed to it whole, or once it holds
+            # the version: not after its own apply into its host copy
+            served: dict[str, Any] = dict(ray.get(daemon.wait_available.remote(version, STAGE_WAIT_S),
+                                                  timeout=STAGE_WAIT_S + 10))
+            relayed = bool(served["relayed"])
         t1 = time.perf_counter()
-        return dict(stage(self.llm, version)) | {"node_wait_s": t1 - t0}
+        return dict(stage(self.llm, version)) | {"node_wait_s": t1 - t0, "node_relayed": relayed}
 
     @contextlib.contextmanager
     def _wh_serving(self) -> Iterator[None]:
