@@ -9,14 +9,14 @@ then only writes the new words (`apply_prepared`), comparing each word it overwr
 one staged (any difference means the target was changed outside the receiver: the segment is
 refused and rolled back like any failed apply) and folding the new half from the words as it
 writes them, as the fused kernels do, so verification checks what was written. The undo log
-is the staged positions and old words themselves: the pause allocates nothing.
+is the staged positions and old words themselves: the pause allocates nothing per word.
 
 Measured on SmolLM2-135M at 2.6% of bf16 words changed (3.5M), one core: the fused decode +
 apply kernel (`apply_gap_stream`, with undo record and digest fold) ~30 ns per changed word in
-the pause, a checked scatter alone ~5 ns (see `weighthub bench` for this scatter with its
-fold). The price is host memory from staging until the apply: 12 bytes
-per changed bf16 word (int64 position, old and new word), where the undo log of the fused
-kernel takes 10 in the pause.
+the pause, this scatter with its fold ~14 (the whole step's pause ~60 -> ~40 ms, 2 threads).
+The price is host memory from staging until the apply: 12 bytes per changed bf16 word (int64
+position, old and new word; 8 more per word of a segment while it is being decoded), where the
+undo log of the fused kernel takes 10 in the pause.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from ..errors import BaseMismatch, FormatError, UsageError
 from ..tensors import DType, readonly
 from .coding import Op, Positions
 from .encode import width_masks
-from .kernels import POSITION_OUT_OF_RANGE, TRAILING_BYTES, _combine, _read_value, _read_varint
+from .kernels import _combine, decode_gap_stream
 from .segment import Segment, UndoEntry, UndoLog, check_sparse, check_status
 
 
@@ -68,13 +68,14 @@ def prepare_segment(seg: Segment, base: np.ndarray, dtype: DType,
         raise FormatError(f"{where}: {seg.count} changes in a {seg.pos_bytes.size}-byte gap stream")
     mask, _ = width_masks(dtype)
     pos = np.empty(seg.count, np.int64)
+    z = np.empty(seg.count, np.uint64)  # the values as coded: transient, off the pause
+    status = decode_gap_stream(readonly(seg.pos_bytes), int(seg.values), readonly(seg.val_bytes),
+                               seg.count, seg.numel, dtype.width, pos, z)
+    check_status(status, where)
     old = np.empty(seg.count, dtype.uint)
     new = np.empty(seg.count, dtype.uint)
     old_lanes = np.zeros(2, np.uint64)
-    status = prepare_gaps(readonly(base), readonly(seg.pos_bytes), int(seg.op), int(seg.values),
-                          readonly(seg.val_bytes), seg.count, mask, seg.start, pos, old, new,
-                          old_lanes)
-    check_status(status, where)
+    combine_prepared(readonly(base), pos, z, int(seg.op), mask, seg.start, old, new, old_lanes)
     return PreparedSegment(pos, old, new, old_lanes, seg.start, seg.numel)
 
 
@@ -103,40 +104,20 @@ def apply_prepared(prep: PreparedSegment, dst: np.ndarray, undo: UndoLog,
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def prepare_gaps(base, gaps, op, codec, vals, count, mask, first, out_pos, out_old, out_new,
-                 old_lanes):
-    """Decode a gap-coded segment against `base` (read only) into out_pos/old/new, and add
-    Σ mix(first + p, old word) to old_lanes. Returns count or a negative status, with the same
-    refusals in the same order as apply_gap_stream; old_lanes is written on success only."""
-    n = base.shape[0]
+def combine_prepared(base, pos, z, op, mask, first, out_old, out_new, old_lanes):
+    """out_old/out_new = the words of `base` at `pos` (decoded and checked: in range,
+    increasing) and what `op` makes of them with the decoded values `z`; adds
+    Σ mix(first + p, old word) to old_lanes."""
     f1 = np.uint64(first) + np.uint64(1)
     o0 = o1 = np.uint64(0)
-    width = base.itemsize
-    gi = 0
-    gend = gaps.shape[0]
-    vi = 0
-    vend = vals.shape[0]
-    p = np.int64(-1)
-    for t in range(count):
-        g, gi = _read_varint(gaps, gi, gend)
-        if gi < 0:
-            return gi
-        if g >= np.uint64(n - 1 - p):  # p + 1 + g must stay below n (p >= -1, so no wrap)
-            return POSITION_OUT_OF_RANGE
-        p = p + 1 + np.int64(g)
-        z, vi = _read_value(vals, vi, vend, codec, width)
-        if vi < 0:
-            return vi
+    for t in range(pos.shape[0]):
+        p = pos[t]
         o = base[p]
-        out_pos[t] = p
         out_old[t] = o
-        out_new[t] = _combine(np.uint64(o), z, op, mask)
+        out_new[t] = _combine(np.uint64(o), z[t], op, mask)
         o0, o1 = fold(o0, o1, f1 + np.uint64(p), np.uint64(o))
-    if gi != gend or vi != vend:
-        return TRAILING_BYTES
     old_lanes[0] += o0
     old_lanes[1] += o1
-    return count
 
 
 @njit(cache=True, nogil=True, boundscheck=False)

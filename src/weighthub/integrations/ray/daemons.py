@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -137,17 +138,10 @@ class NodeDaemon:
         Raises:
             PeerTimeout: not within `timeout` seconds (the node's last events in the message).
         """
-        deadline = time.monotonic() + timeout
-        while True:
+        def holds() -> dict[str, Any] | None:
             held = self.held()
-            if held is not None and held["version"] >= version:
-                return held
-            if time.monotonic() >= deadline:
-                with self._lock:
-                    last = self._events[-3:]
-                raise PeerTimeout(f"node daemon {self.node.config.node_id} does not hold version "
-                                  f"{version} after {timeout:g} s (holds {held}); last events {last}")
-            time.sleep(0.02)
+            return held if held is not None and held["version"] >= version else None
+        return self._wait(holds, timeout, f"does not hold version {version}")
 
     def wait_available(self, version: int, timeout: float) -> dict[str, Any]:
         """Block until engines on this node can stage `version` (or a newer one) from it: the
@@ -159,21 +153,30 @@ class NodeDaemon:
         Raises:
             PeerTimeout: neither within `timeout` seconds (the node's last events said).
         """
-        deadline = time.monotonic() + timeout
         where = f"node daemon {self.node.config.node_id}"
-        while True:
+
+        def servable() -> dict[str, Any] | None:
             held = self.held()
             if held is not None and held["version"] >= version:
                 return {"held": held, "relayed": False}
             if relayed_in_full(self.node.cache, version, self.node.digests.get(version),
                                where=where):
                 return {"held": held, "relayed": True}
+            return None
+        return self._wait(servable, timeout, f"can serve neither version {version} nor a newer one",
+                          poll_s=0.005)
+
+    def _wait(self, ready: Callable[[], dict[str, Any] | None], timeout: float, what: str, *,
+              poll_s: float = 0.02) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while (answer := ready()) is None:
             if time.monotonic() >= deadline:
                 with self._lock:
                     last = self._events[-3:]
-                raise PeerTimeout(f"{where} can serve neither version {version} nor a newer one "
-                                  f"after {timeout:g} s (holds {held}); last events {last}")
-            time.sleep(0.005)
+                raise PeerTimeout(f"node daemon {self.node.config.node_id} {what} after "
+                                  f"{timeout:g} s (holds {self.held()}); last events {last}")
+            time.sleep(poll_s)
+        return answer
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -223,13 +223,24 @@ class WeightSync:
         return out
 
     def wait_nodes(self, version: int, *, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
-        """Block until every node daemon holds `version` (or newer); node id -> held."""
+        """Block until every node daemon holds `version` (or newer); node id -> held. A daemon
+        that Ray is restarting meanwhile is asked again (within `timeout`)."""
         import ray
 
-        ids = list(self._nodes)
-        held = ray.get([self._nodes[i].wait_version.remote(version, timeout) for i in ids],
-                       timeout=timeout + 10)
-        return dict(zip(ids, held, strict=True))
+        deadline = time.monotonic() + timeout
+        out = {}
+        for node_id, handle in self._nodes.items():
+            while True:
+                left = max(0.1, deadline - time.monotonic())
+                try:
+                    out[node_id] = ray.get(handle.wait_version.remote(version, left),
+                                           timeout=left + 10)
+                    break
+                except ray.exceptions.ActorUnavailableError:
+                    if time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.2)
+        return out
 
     def close(self) -> None:
         """Stop and remove every daemon this driver started."""
