@@ -46,10 +46,6 @@ class PreparedSegment:
     first: int  # the canonical index of the range's element 0 (the segment's start)
     numel: int
 
-    @property
-    def nbytes(self) -> int:
-        return self.pos.nbytes + self.old.nbytes + self.new.nbytes
-
 
 def prepare_segment(seg: Segment, base: np.ndarray, dtype: DType,
                     where: str) -> PreparedSegment | None:

@@ -13,9 +13,9 @@ publish of that route would hold too); the first failure cancels the chunks not 
 
 The first step of a route applies to the bits held now, so its exponent-grouped positions are
 decoded against them already (`regap`); applied forwards, its gap-coded segments on host
-tensors are decoded to the words they write and both digest halves (`prepare`: the pause only
-scatters them), and for the others, with incremental verification, the digest lanes of the
-words they will replace are summed (`olds`). Nothing of the target is written.
+tensors are decoded to the words they write and the digest lanes of the words they replace
+(`prepare`: the pause only scatters them), and for its other segments, with incremental
+verification, those lanes are summed alone (`olds`). Nothing of the target is written.
 """
 
 from __future__ import annotations
