@@ -148,9 +148,9 @@ def test_a_relayed_manifest_is_trusted_only_with_the_hubs_digest() -> None:
     assert forged != good and relayed_manifest(cache, 0, chunk_checksum(good), where="t") is None
 
 
-def test_a_version_counts_as_relayed_in_full_only_with_every_chunk_at_its_size() -> None:
-    """What a node daemon tells its engines before its own apply (`relayed_in_full`)."""
-    from weighthub.cluster.relayed import relayed_in_full
+def test_a_version_counts_as_relayed_only_with_every_chunk_at_its_size() -> None:
+    """What a node daemon tells its engines before its own apply (`relayed_chunks`, `all_relayed`)."""
+    from weighthub.cluster.relayed import all_relayed, relayed_chunks
 
     store, _ = published()
     key = catalog.rep_key(0, None, primary=True)
@@ -159,15 +159,18 @@ def test_a_version_counts_as_relayed_in_full_only_with_every_chunk_at_its_size()
     assert len(m.chunks) >= 2
     digest = chunk_checksum(raw)
     cache = MemoryStore()
+    assert relayed_chunks(cache, 0, digest, where="t") is None  # no manifest relayed yet
     cache.put(key, raw)
-    assert not relayed_in_full(cache, 0, digest, where="t")  # no chunk pushed yet
+    assert relayed_chunks(cache, 0, None, where="t") is None  # the hub vouched for nothing
+    assert relayed_chunks(cache, 0, chunk_checksum(raw + b" "), where="t") is None  # another one
+    chunks = relayed_chunks(cache, 0, digest, where="t")
+    assert chunks == list(m.chunks)
+    assert not all_relayed(cache, chunks)  # no chunk pushed yet
     for c in m.chunks[:-1]:
         cache.put(c.key, store.get(c.key))
-    assert not relayed_in_full(cache, 0, digest, where="t")  # one missing
+    assert not all_relayed(cache, chunks)  # one missing
     last = m.chunks[-1]
     cache.put(last.key, store.get(last.key)[:-1])
-    assert not relayed_in_full(cache, 0, digest, where="t")  # one cut short
+    assert not all_relayed(cache, chunks)  # one cut short
     cache.put(last.key, store.get(last.key))
-    assert relayed_in_full(cache, 0, digest, where="t")
-    assert not relayed_in_full(cache, 0, None, where="t")  # the hub vouched for nothing
-    assert not relayed_in_full(cache, 0, chunk_checksum(raw + b" "), where="t")  # another manifest
+    assert all_relayed(cache, chunks)

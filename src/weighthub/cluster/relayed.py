@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 
 from .. import catalog
 from ..errors import FormatError, LimitError, StoreError, UsageError
-from ..format import chunk_checksum
+from ..format import ChunkRef, chunk_checksum
 from ..format.manifest import MAX_MANIFEST_BYTES, decode_manifest
 from ..store.base import Readable, Store, check_max_bytes, too_large
 
@@ -120,15 +120,25 @@ def relayed_manifest(cache: Readable, version: int, digest: str | None, *,
     return raw
 
 
-def relayed_in_full(cache: Readable, version: int, digest: str | None, *, where: str) -> bool:
-    """Has a relay parent pushed `version` whole into `cache`: its manifest (hashing to the
-    hub's `digest`) and every chunk it names, at the manifest's sizes? Then the node can serve
-    the version before its own apply (the chunks' checksums are checked by whoever fetches)."""
+def relayed_chunks(cache: Readable, version: int, digest: str | None, *,
+                   where: str) -> list[ChunkRef] | None:
+    """The chunks `version`'s relayed manifest names (None: no manifest relayed that hashes to
+    the hub's `digest`, or one that does not parse)."""
     raw = relayed_manifest(cache, version, digest, where=where)
     if raw is None:
-        return False
+        return None
     try:
-        m = decode_manifest(raw, where=f"{where}: relayed manifest of version {version}")
-        return all(cache.size(c.key) == c.size for c in m.chunks)
-    except (StoreError, FormatError):  # a chunk not (yet) pushed, or a manifest not to trust
+        return list(decode_manifest(raw, where=f"{where}: relayed manifest of version {version}")
+                    .chunks)
+    except FormatError:
+        return None
+
+
+def all_relayed(cache: Readable, chunks: list[ChunkRef]) -> bool:
+    """Are all of `chunks` in `cache` at their manifest's sizes? (Their checksums are checked
+    by whoever fetches them.) With the manifest relayed too, the node can serve the version
+    before its own apply."""
+    try:
+        return all(cache.size(c.key) == c.size for c in chunks)
+    except StoreError:  # one not (yet) pushed
         return False

@@ -23,9 +23,10 @@ from ...cluster import hub as hub_server
 from ...cluster.hubclient import HubClient
 from ...cluster.hubcore import HubConfig
 from ...cluster.node import Node, NodeConfig
-from ...cluster.relayed import relayed_in_full
+from ...cluster.relayed import all_relayed, relayed_chunks
 from ...cluster.topology import Labels
 from ...errors import PeerTimeout, UsageError
+from ...format import ChunkRef
 from ...store import LocalStore, open_store
 from ...targets import StateDictTarget
 
@@ -145,8 +146,8 @@ class NodeDaemon:
 
     def wait_available(self, version: int, timeout: float) -> dict[str, Any]:
         """Block until engines on this node can stage `version` (or a newer one) from it: the
-        node holds it, or its relay parent pushed the version whole (`relayed_in_full`: the
-        manifest the hub vouched for and every chunk it names). Engines then need not wait for
+        node holds it, or its relay parent pushed the version whole (the manifest the hub
+        vouched for and every chunk it names: `relayed_chunks`, `all_relayed`). Engines then need not wait for
         the node's own apply into its host copy. {"held": its held version or None,
         "relayed": whether the pushed chunks answered}.
 
@@ -154,13 +155,17 @@ class NodeDaemon:
             PeerTimeout: neither within `timeout` seconds (the node's last events said).
         """
         where = f"node daemon {self.node.config.node_id}"
+        chunks: list[ChunkRef] | None = None  # the relayed manifest's, decoded once
 
         def servable() -> dict[str, Any] | None:
+            nonlocal chunks
             held = self.held()
             if held is not None and held["version"] >= version:
                 return {"held": held, "relayed": False}
-            if relayed_in_full(self.node.cache, version, self.node.digests.get(version),
-                               where=where):
+            if chunks is None:
+                chunks = relayed_chunks(self.node.cache, version,
+                                        self.node.digests.get(version), where=where)
+            if chunks is not None and all_relayed(self.node.cache, chunks):
                 return {"held": held, "relayed": True}
             return None
         return self._wait(servable, timeout, f"can serve neither version {version} nor a newer one",

@@ -254,6 +254,8 @@ class GRPOLoop:
                 "stage_s": max((r["staged"] or {}).get("stage_s", r["stage_s"]) for r in done),
                 "engine_push_s": max(r["engine_s"] for r in done),  # vLLM's loader, in the pause
                 "prestaged": all(r["prestaged"] for r in done),
+                # per engine: staged from chunks its daemon had been pushed, before its apply
+                "node_relayed": [bool((r["staged"] or {}).get("node_relayed")) for r in done],
                 "stage_errors": [r["stage_error"] for r in done if r["stage_error"]],
                 "engine_bytes": fetched,
                 # chunks each source handed the engines so far (this node's daemon, the store)
