@@ -13,7 +13,7 @@ import torch
 from weighthub.codec import Positions, UndoLog, apply_segment, encode_segment
 from weighthub.codec.coding import EncodePolicy
 from weighthub.codec.prepared import prepare_segment
-from weighthub.errors import BaseMismatch, FormatError
+from weighthub.errors import BaseMismatch, FormatError, IntegrityError
 from weighthub.publish import Publisher
 from weighthub.receive import Receiver
 from weighthub.store import MemoryStore
@@ -72,6 +72,25 @@ def test_a_target_changed_since_staging_is_refused_and_rolled_back() -> None:
     assert not np.array_equal(dst, before)  # the words before it were written ...
     undo.rollback()
     assert np.array_equal(dst, before)  # ... and are restored exactly
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_staged_words_changed_before_the_pause_are_caught_by_the_seal(where: str) -> None:
+    """The digest change was staged too: only the seal shows that the scatter wrote other
+    words than those it was computed from (a bug reusing a buffer, a bit flip)."""
+    dtype = dtype_named("BF16")
+    old, new = _pair("BF16", 20_000, 0.05, seed=4)
+    seg = encode_segment(old, new, dtype, tensor=0, start=123, policy=FAST)
+    prep = prepare_segment(seg, old, dtype, "t")
+    assert seg is not None and prep is not None
+    k = {"first": 0, "middle": prep.pos.size // 2, "last": prep.pos.size - 1}[where]
+    prep.new[k] ^= 0x0100  # the staged word that will be written, changed in memory
+    dst = old.copy()
+    undo = UndoLog()
+    with pytest.raises(IntegrityError, match="not the ones staged"):
+        apply_segment(seg, dst, dtype, undo, "t", prepared=prep)
+    undo.rollback()
+    assert np.array_equal(dst, old)
 
 
 @pytest.mark.parametrize(("edit", "match"), [

@@ -16,6 +16,7 @@ import torch
 
 import weighthub.receive.apply as apply_mod
 from weighthub import catalog
+from weighthub.codec.prepared import staged_sums
 from weighthub.digest import tensor_digest
 from weighthub.errors import (
     ApplyError,
@@ -572,10 +573,13 @@ def test_incremental_verify_sees_a_wrong_word_written(at_v1, monkeypatch: pytest
         if hits["n"] == 0 and seg.count:  # one value one bit off: a decoding bug's output
             hits["n"] += 1
             prep = kw.get("prepared")
-            if prep is not None:  # decoded while staging: its first word to write is wrong
-                new = prep.new.copy()
+            if prep is not None:  # decoded while staging: its first word to write is wrong,
+                new = prep.new.copy()  # and its sums and seal agree with that (a staging bug)
                 new[0] ^= 1
-                kw["prepared"] = replace(prep, new=new)
+                lanes = np.zeros(4, np.uint64)
+                sealed = staged_sums(prep.pos, prep.old, new, prep.first, lanes)
+                kw["prepared"] = replace(prep, new=new, old_lanes=lanes[:2], new_lanes=lanes[2:],
+                                         seal=int(sealed))
             vals = seg.val_bytes.copy()
             vals[0] ^= 1  # bit 0 of a varint's first byte or of a raw word: still well formed
             seg = replace(seg, val_bytes=vals)

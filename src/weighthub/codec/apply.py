@@ -138,7 +138,8 @@ def apply_segment(seg: Segment, dst: np.ndarray, dtype: DType, undo: UndoLog,
 
     prepared: the segment decoded while staging against the words dst holds
     (`codec.prepared`): only its words are written, each checked against the staged old one
-    (BaseMismatch, after recording what was written, if dst changed since).
+    (BaseMismatch, after recording what was written, if dst changed since), and all of them
+    against the staged seal (IntegrityError); the digest lanes are the staged ones.
 
     Raises:
         UsageError: dst is not the segment's range in the dtype's words.
@@ -157,8 +158,8 @@ def apply_segment(seg: Segment, dst: np.ndarray, dtype: DType, undo: UndoLog,
                               "bitmap positions can)")
         op = K.OP_SUB if seg.op == Op.ADD else op
     if prepared is not None and not inverse:
-        entry, written = apply_prepared(prepared, dst, undo, where)
-        for out, lanes in ((dnew, written), (dold, prepared.old_lanes)):
+        entry = apply_prepared(prepared, dst, undo, where)
+        for out, lanes in ((dnew, prepared.new_lanes), (dold, prepared.old_lanes)):
             if out is not None:
                 out += lanes  # uint64: wraps, as the kernels' sums do
         return entry

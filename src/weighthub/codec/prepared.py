@@ -4,19 +4,28 @@ The first delta of a receiver's route applies to the bits the target holds now, 
 change before the pause (the receiver's lock, and `held` checked under it). So while staging a
 gap-coded sparse segment (every grouped or context-coded one is re-coded to gaps there,
 `regap_segment`) is decoded against those bits: its positions, the words there now, the words
-it writes, and the old half of the digest change Σ mix(new) − Σ mix(old) (spec §4). The pause
-then only writes the new words (`apply_prepared`), comparing each word it overwrites with the
-one staged (any difference means the target was changed outside the receiver: the segment is
-refused and rolled back like any failed apply) and folding the new half from the words as it
-writes them, as the fused kernels do, so verification checks what was written. The undo log
-is the staged positions and old words themselves: the pause allocates nothing per word.
+it writes, both halves of the digest change Σ mix(new) − Σ mix(old) (spec §4), and a seal of
+the words it writes (`seal_of`). The pause then only writes the new words (`apply_prepared`):
+- each word it overwrites must be the one staged (any difference means the target was changed
+  outside the receiver: BaseMismatch, rolled back like any failed apply);
+- the words it wrote must be the ones staged: after the scatter the staged words are sealed
+  again and must give the staged seal (IntegrityError, rolled back). So verification still
+  covers what was written: the staged digest change proves the staged words are the
+  version's, the seal that the pause wrote those (a staged array changed in memory since
+  staging, by a bug or a bit flip, is caught).
+The undo log is the staged positions and old words themselves: the pause allocates nothing per
+word.
 
-Measured on SmolLM2-135M at 2.6% of bf16 words changed (3.5M), one core: the fused decode +
-apply kernel (`apply_gap_stream`, with undo record and digest fold) ~30 ns per changed word in
-the pause, this scatter with its fold ~14 (the whole step's pause ~60 -> ~40 ms, 2 threads).
-The price is host memory from staging until the apply: 12 bytes per changed bf16 word (int64
-position, old and new word; 8 more per word of a segment while it is being decoded), where the
-undo log of the fused kernel takes 10 in the pause.
+The sums run in their own passes over the contiguous staged arrays, which LLVM vectorizes
+(AVX-512 here): all four digest lanes and the seal ~0.4 ns a word, the seal alone ~0.2. Folded
+inside the gather or the scatter loop, which cannot be vectorized, they cost ~8 ns a word.
+Measured on SmolLM2-135M at 2.2% of bf16 words changed (3.5M), side by side: the scatter alone
+~5 ns a word (memory), with its seal pass the same; the pause of that step with 2 threads
+17–18 ms where the scatter folding mix(new) as it wrote took 26–29 ms (and the fused decode +
+apply kernel ~30 ns a word); its staging on one thread 49–59 ms against 77–86 ms. The price is
+host memory from staging until the apply: 12 bytes per changed bf16 word (int64 position, old
+and new word; 8 more per word of a segment while it is being decoded), where the undo log of the
+fused kernel takes 10 in the pause.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ import numpy as np
 from numba import njit
 
 from ..digest.mix import fold
-from ..errors import BaseMismatch, FormatError, UsageError
+from ..errors import BaseMismatch, FormatError, IntegrityError, UsageError
 from ..tensors import DType, readonly
 from .coding import Op, Positions
 from .encode import width_masks
@@ -43,6 +52,8 @@ class PreparedSegment:
     old: np.ndarray  # the held words there (the dtype's uint)
     new: np.ndarray  # the words the segment writes there
     old_lanes: np.ndarray  # uint64[2]: Σ mix(first + p, old word), the digest's old half
+    new_lanes: np.ndarray  # uint64[2]: Σ mix(first + p, new word), its new half
+    seal: int  # `seal_of(pos, new, first)` when staged: what the pause must find it wrote
     first: int  # the canonical index of the range's element 0 (the segment's start)
     numel: int
 
@@ -70,65 +81,93 @@ def prepare_segment(seg: Segment, base: np.ndarray, dtype: DType,
     check_status(status, where)
     old = np.empty(seg.count, dtype.uint)
     new = np.empty(seg.count, dtype.uint)
-    old_lanes = np.zeros(2, np.uint64)
-    combine_prepared(readonly(base), pos, z, int(seg.op), mask, seg.start, old, new, old_lanes)
-    return PreparedSegment(pos, old, new, old_lanes, seg.start, seg.numel)
+    combine_prepared(readonly(base), pos, z, int(seg.op), mask, old, new)
+    lanes = np.zeros(4, np.uint64)
+    sealed = staged_sums(pos, old, new, seg.start, lanes)
+    return PreparedSegment(pos, old, new, lanes[:2], lanes[2:], int(sealed), seg.start, seg.numel)
 
 
 def apply_prepared(prep: PreparedSegment, dst: np.ndarray, undo: UndoLog,
-                   where: str) -> tuple[UndoEntry, np.ndarray]:
+                   where: str) -> UndoEntry:
     """Write `prep`'s new words into `dst` (the segment's range), recording them in `undo`;
-    the undo entry and the digest lanes of the words written (uint64[2], Σ mix(i, new)).
+    the undo entry. The digest lanes of what it wrote are `prep.new_lanes` (the seal proves it).
 
     Raises:
         UsageError: `dst` is not a range of the prepared size and word type.
         BaseMismatch: a word of `dst` is not the one staged (the target changed since
             staging); the words written before it are in `undo`, for the caller's rollback.
+        IntegrityError: the words written are not the ones staged (their seal differs: the
+            staged arrays changed since staging); every word written is in `undo`.
     """
     if dst.size != prep.numel or dst.dtype != prep.old.dtype:
         raise UsageError(f"{where}: destination {dst.dtype}[{dst.size}] for a segment prepared "
                          f"as {prep.old.dtype}[{prep.numel}]")
-    written = np.zeros(2, np.uint64)
-    done = int(scatter_prepared(dst, prep.pos, prep.old, prep.new, prep.first, written))
+    done = int(scatter_prepared(dst, prep.pos, prep.old, prep.new))
     entry = UndoEntry(dst, prep.pos, prep.old, done)
     undo.entries.append(entry)
     if done != prep.pos.size:
         raise BaseMismatch(f"{where}: element {int(prep.pos[done])} of the segment no longer "
                            "holds the word it held when the version was staged: the target was "
                            "changed outside this receiver; nothing kept, stage it again")
-    return entry, written
+    # after the scatter: the staged words it read must still be those sealed while staging
+    if int(seal_of(prep.pos, prep.new, prep.first)) != prep.seal:
+        raise IntegrityError(f"{where}: the words the apply wrote are not the ones staged (their "
+                             "seal differs: the staged arrays changed in memory since staging); "
+                             "rolled back, stage it again")
+    return entry
+
+
+_SEAL_K = np.uint64(0x9E3779B97F4A7C15)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def combine_prepared(base, pos, z, op, mask, first, out_old, out_new, old_lanes):
+def combine_prepared(base, pos, z, op, mask, out_old, out_new):
     """out_old/out_new = the words of `base` at `pos` (decoded and checked: in range,
-    increasing) and what `op` makes of them with the decoded values `z`; adds
-    Σ mix(first + p, old word) to old_lanes."""
-    f1 = np.uint64(first) + np.uint64(1)
-    o0 = o1 = np.uint64(0)
+    increasing) and what `op` makes of them with the decoded values `z`."""
     for t in range(pos.shape[0]):
-        p = pos[t]
-        o = base[p]
+        o = base[pos[t]]
         out_old[t] = o
         out_new[t] = _combine(np.uint64(o), z[t], op, mask)
-        o0, o1 = fold(o0, o1, f1 + np.uint64(p), np.uint64(o))
-    old_lanes[0] += o0
-    old_lanes[1] += o1
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def scatter_prepared(dst, pos, old, new, first, lanes):
-    """dst[pos[t]] = new[t] in order while dst[pos[t]] == old[t], folding mix(first + p, new)
-    into lanes (on success only); how many were written."""
+def staged_sums(pos, old, new, first, lanes):
+    """Adds Σ mix(first + p, old word) to lanes[0:2] and Σ mix(first + p, new word) to
+    lanes[2:4]; returns the seal of the new words (`seal_of`). One pass over contiguous
+    arrays, which LLVM vectorizes (~0.4 ns a word, where folding inside the gather or the
+    scatter loop costs ~8)."""
     f1 = np.uint64(first) + np.uint64(1)
-    n0 = n1 = np.uint64(0)
+    o0 = o1 = n0 = n1 = s = np.uint64(0)
+    for t in range(pos.shape[0]):
+        i1 = f1 + np.uint64(pos[t])
+        w = np.uint64(new[t])
+        o0, o1 = fold(o0, o1, i1, np.uint64(old[t]))
+        n0, n1 = fold(n0, n1, i1, w)
+        s += (i1 * _SEAL_K) ^ w
+    lanes[0] += o0
+    lanes[1] += o1
+    lanes[2] += n0
+    lanes[3] += n1
+    return s
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def seal_of(pos, new, first):
+    """Σ ((first + p + 1) · K) ^ word over the pairs: one multiply a word, so any one changed
+    word or position changes the sum (K is odd: i · K is a bijection); vectorized, ~0.2 ns."""
+    f1 = np.uint64(first) + np.uint64(1)
+    s = np.uint64(0)
+    for t in range(pos.shape[0]):
+        s += ((f1 + np.uint64(pos[t])) * _SEAL_K) ^ np.uint64(new[t])
+    return s
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def scatter_prepared(dst, pos, old, new):
+    """dst[pos[t]] = new[t] in order while dst[pos[t]] == old[t]; how many were written."""
     for t in range(pos.shape[0]):
         p = pos[t]
         if dst[p] != old[t]:
             return t
-        w = new[t]
-        dst[p] = w
-        n0, n1 = fold(n0, n1, f1 + np.uint64(p), np.uint64(w))
-    lanes[0] += n0
-    lanes[1] += n1
+        dst[p] = new[t]
     return pos.shape[0]
