@@ -33,6 +33,7 @@ from weighthub.cluster.hubclient import HubClient
 from weighthub.cluster.node import Node, NodeConfig
 from weighthub.cluster.publisher import NetPublisher
 from weighthub.cluster.topology import Labels
+from weighthub.errors import UsageError
 from weighthub.net.client import PeerClient
 from weighthub.publish import Publisher
 from weighthub.store import LocalStore, MemoryStore
@@ -249,3 +250,38 @@ def test_an_unexpected_failure_is_reported_and_the_node_keeps_following() -> Non
         assert same_bits(target.state, s1)
     finally:
         node.stop()
+
+
+class _RecordsNice(StateDictTarget):
+    """Notes the nice value of the thread that commits each version."""
+
+    def __init__(self) -> None:
+        super().__init__({})
+        self.nice: list[int] = []
+
+    def commit(self, held: Any) -> None:
+        import threading
+        self.nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        super().commit(held)
+
+
+def test_a_niced_node_applies_at_its_nice_value_and_serves_at_the_process_priority() -> None:
+    import threading
+
+    store = MemoryStore()
+    Publisher(store, full_span_bytes=64 << 10).publish(make_state(0, tensors=1, numel=1 << 12))
+    target, events = _RecordsNice(), Events()
+    here = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    node = Node(store, target, b"s" * 32, NodeConfig("low", poll_s=0.05, nice=max(here, 12)),
+                hub=None, cache=MemoryStore("cache"), on_event=events).start()
+    try:
+        events.wait("synced", 0)
+        assert target.nice == [max(here, 12)]
+        others = {t.name: os.getpriority(os.PRIO_PROCESS, t.native_id)
+                  for t in threading.enumerate() if t.native_id is not None
+                  and t is not threading.current_thread() and t.name != "node-follow"}
+        assert others and all(n == here for n in others.values()), others  # the chunk server's
+    finally:
+        node.stop()
+    with pytest.raises(UsageError, match=r"--nice must be in 0\.\.19"):
+        NodeConfig("bad", nice=20)

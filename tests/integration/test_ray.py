@@ -116,6 +116,7 @@ def test_grpo_steps_refit_every_engine_bit_exact(run: dict[str, Any]) -> None:
         assert {(v, r) for _, v, r in row["attested"]} == {(row["version"] - 1, root[:12])}
         assert row["lag"] == 0 and row["drift"] < 0.3  # bf16 kernels differ (0.12 measured)
         assert row["prestaged"] and row["stage_errors"] == []
+        assert row["in_turn"]  # vLLM CPU engines pause in their node's turn (`pauses`)
         assert row["baseline_bytes"] == 2 * row["dense_bytes"]  # the object-store route moves everything
         assert 0 < row["engine_bytes"] < row["baseline_bytes"]
     _assert_engines_at(run, rows[-1]["version"])

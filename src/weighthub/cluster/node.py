@@ -39,6 +39,7 @@ Events (`on_event`; the CLI prints them, one JSON object per line with --json): 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -80,6 +81,10 @@ class NodeConfig:
     # a full digest check of the held bits every N versions / S seconds (0: not by that rule)
     full_check_versions: int = 16
     full_check_s: float = 1800.0
+    # the follow thread (its syncs into the target, guard checks) runs at least this nice:
+    # above 0 where engines share the host's cores and this node's own copy is not what they
+    # wait for; relaying and serving chunks keep the process's priority
+    nice: int = 0
 
     def __post_init__(self) -> None:
         if not self.node_id:
@@ -92,6 +97,8 @@ class NodeConfig:
         if not 0 <= self.full_check_versions <= 1_000_000 or not 0 <= self.full_check_s <= 1e7:
             raise UsageError(f"--full-check-versions and --full-check-s must be ≥ 0 (0: never by "
                              f"that rule), got {self.full_check_versions}, {self.full_check_s}")
+        if not 0 <= self.nice <= 19:
+            raise UsageError(f"--nice must be in 0..19 (0: the process's priority), got {self.nice}")
 
     @property
     def peer_timeouts(self) -> Timeouts:
@@ -191,6 +198,9 @@ class Node:
 
     # -- following ------------------------------------------------------------------------------
     def _follow(self) -> None:
+        if self.config.nice:  # this thread and the pools it starts (Linux: nice is per thread)
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, max(self.config.nice, os.getpriority(os.PRIO_PROCESS, tid)))
         delay = 0.0
         while True:
             self._wake.wait(delay)

@@ -55,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "0: not by count); a stat is checked before every apply anyway")
     p.add_argument("--full-check-s", type=float, default=1800.0, metavar="S",
                    help="... and every S seconds (default 1800; 0: not by time)")
+    p.add_argument("--nice", type=int, default=0, metavar="N",
+                   help="run the node's own applies at nice N (0..19; default 0) where it shares "
+                        "the host's cores with engines; chunks are relayed and served at the "
+                        "process's priority")
     p.add_argument("--cache", default=None, metavar="DIR",
                    help="chunk cache served to peers (default: next to OUT, or a temp dir)")
     p.add_argument("--endpoint-url", default=None, metavar="URL", help="S3 endpoint for s3:// stores")
@@ -81,7 +85,7 @@ def run_from_args(args: argparse.Namespace) -> None:
     config = NodeConfig(node_id=args.id or f"{socket.gethostname()}:{os.getpid()}", labels=labels,
                         timeout=args.timeout, poll_s=args.poll, stripes=args.fanout,
                         host=args.host, port=args.port, full_check_versions=args.full_check_versions,
-                        full_check_s=args.full_check_s)
+                        full_check_s=args.full_check_s, nice=args.nice)
     secret = load_secret(args.secret_file)
     backing = open_store(args.store, **({"endpoint_url": args.endpoint_url} if args.endpoint_url else {}))
     target, cache_dir = _target(args.out)

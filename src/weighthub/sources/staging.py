@@ -119,7 +119,7 @@ class StagingSource:
             return
         fd = self._lock_fd(ref)
         try:
-            locked = _flock(fd, fcntl.LOCK_EX, min(self.lock_timeout, timeout))
+            locked = flock_within(fd, fcntl.LOCK_EX, min(self.lock_timeout, timeout))
             token = (ref.checksum, threading.get_ident())
             if locked:
                 with self._held_lock:
@@ -148,7 +148,7 @@ class StagingSource:
                 return
             fd = self._lock_fd(ref)
             try:
-                if _flock(fd, fcntl.LOCK_EX, 0):
+                if flock_within(fd, fcntl.LOCK_EX, 0):
                     self._insert(ref, data)
             finally:
                 os.close(fd)  # releases the flock
@@ -201,7 +201,7 @@ class StagingSource:
         """Delete whole versions, oldest first, until the cache fits in max_bytes."""
         fd = os.open(self.dir / _LOCKS / "evict", os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            if not _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 0):
+            if not flock_within(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 0):
                 return  # another process is evicting right now
             # directories of the layout before chunk ids (`v000000000042/...`) are never read again
             for old in self.dir.glob("v" + "[0-9]" * 12):
@@ -257,10 +257,11 @@ def _read(path: Path, size: int) -> bytes | None:
         os.close(fd)
 
 
-def _flock(fd: int, op: int, timeout: float) -> bool:
-    """flock with a deadline (flock itself would wait forever): poll the non-blocking form."""
+def flock_within(fd: int, op: int, timeout: float, *, max_sleep: float = 0.05) -> bool:
+    """flock with a deadline (flock itself would wait forever): poll the non-blocking form,
+    sleeping 2 ms at first and at most `max_sleep` between tries. Whether it got the lock."""
     deadline = time.monotonic() + timeout
-    delay = 0.002
+    delay = min(0.002, max_sleep)
     while True:
         try:
             fcntl.flock(fd, op | fcntl.LOCK_NB)
@@ -269,7 +270,7 @@ def _flock(fd: int, op: int, timeout: float) -> bool:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(delay)
-            delay = min(delay * 2, 0.05)
+            delay = min(delay * 2, max_sleep)
 
 
 def _tree_bytes(path: Path) -> int:

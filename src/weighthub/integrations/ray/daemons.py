@@ -105,15 +105,19 @@ class NodeDaemon:
         state_dir: cache and port file (kept across restarts).
         host: the address to listen on.
         timeout: every hub call and peer request (NodeConfig.timeout).
+        nice: the daemon's own applies into its host copy (NodeConfig.nice): engines on the
+            node stage from the chunks it was pushed, not from that copy, so its apply yields
+            the cores to their staging and pauses.
     """
 
     def __init__(self, store_url: str, hub: str, secret: bytes, node_id: str, labels: Labels,
-                 state_dir: str, host: str, *, timeout: float = 10.0, poll_s: float = 1.0) -> None:
+                 state_dir: str, host: str, *, timeout: float = 10.0, poll_s: float = 1.0,
+                 nice: int = 10) -> None:
         root = Path(state_dir)
         (root / "cache").mkdir(parents=True, exist_ok=True)
         port_file = root / "node.port"
         config = NodeConfig(node_id=node_id, labels=labels, timeout=timeout, poll_s=poll_s,
-                            host=host, port=_saved_port(port_file))
+                            host=host, port=_saved_port(port_file), nice=nice)
         self._events: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self.node = Node(open_store(store_url), StateDictTarget({}), secret, config,

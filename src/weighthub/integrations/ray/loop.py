@@ -249,10 +249,15 @@ class GRPOLoop:
     def _refit_figures(self, trained: dict[str, Any], done: list[dict[str, Any]],
                        after_publish_s: float) -> dict[str, Any]:
         fetched = sum(int(r["bytes_fetched"]) for r in done)
-        return {"refit_s": trained["publish_s"] + after_publish_s,
+        # publish start -> the trainer's reply, then the driver's clock: only the reply's
+        # transit is not counted
+        return {"refit_s": trained["since_publish_s"] + after_publish_s,
                 "pause_s": max(r["pause_s"] for r in done),
                 "stage_s": max((r["staged"] or {}).get("stage_s", r["stage_s"]) for r in done),
                 "engine_push_s": max(r["engine_s"] for r in done),  # vLLM's loader, in the pause
+                # serving while another engine of the node paused (`pauses`: in turn)
+                "turn_wait_s": max(r["turn_wait_s"] for r in done),
+                "in_turn": all(r["in_turn"] for r in done),
                 "prestaged": all(r["prestaged"] for r in done),
                 # per engine: staged from chunks its daemon had been pushed, before its apply
                 "node_relayed": [bool((r["staged"] or {}).get("node_relayed")) for r in done],

@@ -28,6 +28,7 @@ from ...engines.vllm import EXTENSION, bind, refit, stage
 from ...engines.vllm_plugin import keep_cpu_weights_plain
 from ...errors import AttestationError, UsageError
 from .attest import Attestation
+from .pauses import pause_turn
 from .spec import SyncSpec
 
 STAGE_WAIT_S = 120.0  # longest a stage waits for this node's daemon to serve the version
@@ -40,9 +41,13 @@ class RolloutEngine:
     Create the actor with `max_concurrency=2` (or more) and generate inside
     `with self._wh_serving():` (VLLMRollout does): a refit then stages on its own thread while
     the engine generates, and waits for the generation to end only to apply.
+
+    Set `weighthub_pause_in_turn = True` where the engines of a node share its cores (weights
+    in host memory): their pauses then take turns (`pauses`), each waiting while it serves.
     """
 
     llm: Any
+    weighthub_pause_in_turn: bool = False
     _wh_spec: SyncSpec | None = None
     _wh_node_id: str = ""
     _wh_thread: threading.Thread | None = None
@@ -101,11 +106,14 @@ class RolloutEngine:
                 except Exception as exc:  # the apply stages inline; said in the result
                     staged, error = None, exc
             t1 = time.perf_counter()
-            with self._wh_serving():  # waits for a generation in flight to end
+            stage_dir = spec.node(self._wh_node_id).stage_dir if self.weighthub_pause_in_turn else None
+            # this host's turn first, still serving; then wait for a generation in flight to end
+            with pause_turn(stage_dir) as turn, self._wh_serving():
                 t2 = time.perf_counter()
                 result = refit(self.llm, version)
-        return result | {"staging_wait_s": t1 - t0, "serve_wait_s": t2 - t1, "staged": staged,
-                         "stage_error": None if error is None else repr(error)}
+        return result | {"staging_wait_s": t1 - t0, "turn_wait_s": turn.wait_s,
+                         "in_turn": turn.held, "serve_wait_s": t2 - t1 - turn.wait_s,
+                         "staged": staged, "stage_error": None if error is None else repr(error)}
 
     def _wh_stage_now(self, spec: SyncSpec, version: int | None, wait_node: bool) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -191,18 +199,23 @@ class VLLMRollout(RolloutEngine):
         plain_cpu_weights: on vLLM CPU, keep linear weights as loaded instead of packing them
             for oneDNN (`engines.vllm_plugin`): refits then apply in place in the engine's
             memory, and generation uses torch's CPU GEMM. GPU builds keep them plain anyway.
+        pause_in_turn: the engines of a node pause one at a time (`pauses`); default: on
+            vLLM's CPU build (engines share the host's cores), off on GPUs.
         engine_args: more `vllm.LLM` keyword arguments (max_model_len, dtype, ...).
     """
 
     def __init__(self, name: str, checkpoint: str, *, sync: SyncSpec | None = None,
                  version: int | None = None, plain_cpu_weights: bool = False,
-                 **engine_args: Any) -> None:
+                 pause_in_turn: bool | None = None, **engine_args: Any) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # staging overlaps generate
         from vllm import LLM
+        from vllm.platforms import current_platform
 
         if plain_cpu_weights:  # in-process engine: this process loads the model
             keep_cpu_weights_plain()
         self.name = name
+        self.weighthub_pause_in_turn = (current_platform.is_cpu() if pause_in_turn is None
+                                        else pause_in_turn)
         with _vllm_scan_safe():
             self.llm = LLM(checkpoint, worker_extension_cls=EXTENSION, **engine_args)
         if sync is not None:

@@ -83,6 +83,7 @@ class GRPOTrainer:
         save_file({k: v.contiguous() for k, v in state.items()}, str(ckpt / "model.safetensors"),
                   metadata={"format": "pt"})
         published = self._publish(state)
+        del published["published_at"]
         return published | {"checkpoint": str(ckpt)}
 
     def _publish(self, state: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -94,7 +95,7 @@ class GRPOTrainer:
         self.states[result.version] = state
         for v in [v for v in self.states if v < result.version - self.ledger.max_lag]:
             del self.states[v]
-        return {"version": result.version, "root": root, "publish_s": seconds,
+        return {"version": result.version, "root": root, "publish_s": seconds, "published_at": t0,
                 "payload_bytes": result.payload_bytes, "dense_bytes": result.dense_bytes,
                 "changed": result.changed_fraction}
 
@@ -139,8 +140,12 @@ class GRPOTrainer:
         train_s = time.perf_counter() - t0
         rewards = torch.tensor([s[3] for s in samples])
         published = self._publish(policy_state(self.master))
+        # publish start -> this reply (this actor's clock): the refit's first part, up to the
+        # moment the driver hears of the version (`GRPOLoop` adds the rest)
+        since = time.perf_counter() - published.pop("published_at")
         return published | {"loss": loss, "reward": float(rewards.mean()), "lag": max(lags),
-                            "drift": max(drifts), "train_s": train_s, "samples": len(samples)}
+                            "drift": max(drifts), "train_s": train_s, "samples": len(samples),
+                            "since_publish_s": since}
 
     def _batch(self, samples: Sequence[tuple[Any, ...]]) -> tuple[torch.Tensor, ...]:
         """Right-padded ids, mask, and for each completion token its (row, position)."""
