@@ -39,6 +39,24 @@ def version_dir(v: int) -> str:
     return f"v{v:012d}"
 
 
+def delete_version(store: Store, v: int) -> None:
+    """Delete everything under version v's directory, its manifest first: once the manifest
+    is gone the version no longer exists, whatever a failure leaves behind."""
+    _delete_tree(store, version_dir(v))
+
+
+def _delete_tree(store: Store, prefix: str) -> None:
+    names = store.children(prefix)
+    if PRIMARY in names:
+        store.delete(f"{prefix}/{PRIMARY}")
+    for name in names:
+        key = f"{prefix}/{name}"
+        if store.children(key):
+            _delete_tree(store, key)
+        elif name != PRIMARY:
+            store.delete(key)
+
+
 def rep_name(base: int | None) -> str:
     return "full" if base is None else f"from-{base:012d}"
 

@@ -81,9 +81,8 @@ class NodeConfig:
     # a full digest check of the held bits every N versions / S seconds (0: not by that rule)
     full_check_versions: int = 16
     full_check_s: float = 1800.0
-    # the follow thread (its syncs into the target, guard checks) runs at least this nice:
-    # above 0 where engines share the host's cores and this node's own copy is not what they
-    # wait for; relaying and serving chunks keep the process's priority
+    # the follow thread's (syncs, guard checks) least nice: above 0 where engines share the
+    # host's cores and do not wait for this node's copy; relaying and serving keep the process's
     nice: int = 0
 
     def __post_init__(self) -> None:
@@ -200,7 +199,8 @@ class Node:
     def _follow(self) -> None:
         if self.config.nice:  # this thread and the pools it starts (Linux: nice is per thread)
             tid = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, tid, max(self.config.nice, os.getpriority(os.PRIO_PROCESS, tid)))
+            os.setpriority(os.PRIO_PROCESS, tid,
+                           max(self.config.nice, os.getpriority(os.PRIO_PROCESS, tid)))
         delay = 0.0
         while True:
             self._wake.wait(delay)
@@ -390,19 +390,10 @@ class Node:
         drop = [v for v in versions if held is None or v != held.version]
         for v in drop:
             self.server.release(v)
-            _delete_tree(self.cache, catalog.version_dir(v))
+            try:
+                catalog.delete_version(self.cache, v)
+            except WeighthubError as exc:  # a cache we cannot clean only costs space
+                log.warning("could not drop version %d from the node cache: %s", v, exc)
         if drop and self.hub is not None:
             self.hub.set_versions(self.server.versions())
             self.on_event({"event": "released", "versions": drop})
-
-
-def _delete_tree(store: Store, prefix: str) -> None:
-    try:
-        for name in store.children(prefix):
-            key = f"{prefix}/{name}"
-            if store.children(key):
-                _delete_tree(store, key)
-            else:
-                store.delete(key)
-    except WeighthubError as exc:  # a cache we cannot clean only costs space
-        log.warning("could not drop %s from the node cache: %s", prefix, exc)

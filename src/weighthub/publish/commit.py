@@ -144,21 +144,7 @@ def collect_garbage(store: Store, version: int, retain: int) -> None:
     floor = min(keep_from, anchors[-1]) if anchors else keep_from
     for v in versions:
         if v < floor:
-            _delete_prefix(store, catalog.version_dir(v))
-
-
-def _delete_prefix(store: Store, prefix: str) -> None:
-    # the manifest first: once it is gone the version no longer exists, whatever is left
-    names = store.children(prefix)
-    if catalog.PRIMARY in names:
-        store.delete(f"{prefix}/{catalog.PRIMARY}")
-    for name in names:
-        key = f"{prefix}/{name}"
-        sub = store.children(key)
-        if sub:
-            _delete_prefix(store, key)
-        elif name != catalog.PRIMARY:
-            store.delete(key)
+            catalog.delete_version(store, v)
 
 
 def digests_of(manifest: Manifest) -> dict[str, bytes]:
