@@ -20,7 +20,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import re
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from .codec import coding_invertible
 from .errors import FormatError, NoSyncPath, ObjectNotFound, VersionNotFound
@@ -77,8 +78,12 @@ def list_versions(store: Store) -> list[int]:
 
 
 def latest_version(store: Store) -> int | None:
-    versions = list_versions(store)
-    return versions[-1] if versions else None
+    """The newest committed version: the store's root listed once, then version directories
+    from the newest down until one holds a manifest (usually the first), not all of them."""
+    for name in sorted(store.children(""), reverse=True):  # zero-padded: sorts as numbers
+        if _VERSION_DIR.match(name) and PRIMARY in store.children(name):
+            return int(name[1:])
+    return None
 
 
 def read_manifest(store: Store, key: str) -> Manifest:
@@ -130,6 +135,8 @@ class Rep:
     payload_bytes: int
     invertible: bool = False  # a delta that can be applied inversely (see `invertible`)
     inverse: bool = False
+    # the manifest as the planner read it, so that staging does not read it again
+    manifest: Manifest | None = field(default=None, compare=False, repr=False)
 
     @property
     def label(self) -> str:
@@ -137,9 +144,10 @@ class Rep:
         return self.key + INVERSE if self.inverse else self.key
 
 
-def representations(store: Store, v: int) -> list[Rep]:
+def representations(store: Store, v: int, leaves: list[str] | None = None) -> list[Rep]:
+    """Version v's representations (`leaves`: its directory's listing, if already read)."""
     reps = []
-    for leaf in store.children(version_dir(v)):
+    for leaf in store.children(version_dir(v)) if leaves is None else leaves:
         if not _REP.match(leaf):
             continue
         key = f"{version_dir(v)}/{leaf}"
@@ -151,8 +159,14 @@ def representations(store: Store, v: int) -> list[Rep]:
             continue  # a damaged optional representation just is not a route
         if m.version != v:
             continue
-        reps.append(Rep(v, m.base, key, m.payload_bytes, invertible(m)))
+        reps.append(Rep(v, m.base, key, m.payload_bytes, invertible(m), manifest=m))
     return reps
+
+
+# A forward route at most this many versions long is planned from those versions' directories
+# alone: one listing each, not one per version in the store (a refit's plan must not grow with
+# the run's length: on an S3 store behind a link each listing is a round trip).
+PROBE_AHEAD = 8
 
 
 def plan(store: Store, start: int | None, target: int) -> list[Rep]:
@@ -164,10 +178,6 @@ def plan(store: Store, start: int | None, target: int) -> list[Rep]:
     takes its version back to its base, which must be committed: the receiver checks against
     the base's manifest). At equal bytes the route with fewer inverse steps wins.
     """
-    committed = list_versions(store)
-    if target not in committed:
-        raise VersionNotFound(f"version {target} is not committed in {store.url} "
-                              f"(have {committed[-5:] if committed else 'none'})")
     # Which versions' representations can be on a route. Forward, a delta applies only from its
     # own base, so versions in (start, target]; from nothing, [0, target]; backward, [0, start]:
     # anchors and deltas up to the target, and the deltas above it to undo.
@@ -175,19 +185,17 @@ def plan(store: Store, start: int | None, target: int) -> list[Rep]:
         lo, hi = start, target
     else:
         lo, hi = -1, target if start is None else start
-    versions = set(committed)
+    reps_of, committed = _committed_reps(store, lo, hi, target)
     # (version a step leads to, the step)
     fulls: list[tuple[int, Rep]] = []  # a full representation starts a route from anywhere
     steps: dict[int, list[tuple[int, Rep]]] = {}  # from a version: deltas forward, inverse back
-    for v in committed:
-        if not lo < v <= hi:
-            continue
-        for r in representations(store, v):
+    for v, reps in reps_of.items():
+        for r in reps:
             if r.base is None:
                 fulls.append((v, r))
                 continue
             steps.setdefault(r.base, []).append((v, r))
-            if r.invertible and r.base in versions:
+            if r.invertible and committed(r.base):
                 steps.setdefault(v, []).append((r.base, replace(r, inverse=True)))
     # Dijkstra over versions; node -1 stands for "nothing held"; cost (bytes, inverse steps)
     origin = start if start is not None else -1
@@ -207,3 +215,32 @@ def plan(store: Store, start: int | None, target: int) -> list[Rep]:
     held = "nothing" if start is None else f"version {start}"
     raise NoSyncPath(f"no retained chain in {store.url} leads from {held} to version {target}; "
                      "pull without an existing target to materialize it from an anchor")
+
+
+def _committed_reps(store: Store, lo: int, hi: int, target: int
+                    ) -> tuple[dict[int, list[Rep]], Callable[[int], bool]]:
+    """The representations of every committed version in (lo, hi], which must include `target`,
+    and a test of whether a version is committed: from those versions' directories when the
+    range starts at a held version and is short, else from a listing of the whole store."""
+    if lo >= 0 and hi - lo <= PROBE_AHEAD:
+        found = {}
+        for v in range(lo + 1, hi + 1):
+            leaves = store.children(version_dir(v))
+            if PRIMARY in leaves:
+                found[v] = representations(store, v, leaves)
+        if target not in found:
+            raise VersionNotFound(f"version {target} is not committed in {store.url}")
+        below: dict[int, bool] = {}
+
+        def committed(v: int) -> bool:
+            if v >= lo:  # lo: the held version; a step back to it never shortens a route
+                return v == lo or v in found
+            if v not in below:  # the base of an invertible skip delta: rare, looked up once
+                below[v] = PRIMARY in store.children(version_dir(v))
+            return below[v]
+        return found, committed
+    versions = list_versions(store)
+    if target not in versions:
+        raise VersionNotFound(f"version {target} is not committed in {store.url} "
+                              f"(have {versions[-5:] if versions else 'none'})")
+    return {v: representations(store, v) for v in versions if lo < v <= hi}, set(versions).__contains__

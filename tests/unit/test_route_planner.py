@@ -6,18 +6,28 @@ every simple path of steps allowed by the same rules (a full representation can 
 anywhere; a delta goes from its base to its version, or, if invertible and its base committed,
 back; forward routes stay in (start, target], backward ones in [0, start]) and keeps the
 cheapest by (payload bytes, inverse steps). plan must return a route of exactly that cost,
-and the route must be valid step by step.
+and the route must be valid step by step. Some histories lose versions (retention, a failed
+publish), so routes may have to step around them.
+
+A short forward route is planned from the directories of the versions it crosses (one listing
+each, `PROBE_AHEAD`), anything else from a listing of the store: the brute force checks both.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import replace
+from typing import Any
 
 import pytest
+import torch
 
 from weighthub import catalog
 from weighthub.errors import NoSyncPath, VersionNotFound
+from weighthub.publish import Publisher
+from weighthub.receive import Receiver
+from weighthub.store.memory import MemoryStore
+from weighthub.targets import StateDictTarget
 
 N_HISTORIES = 300
 
@@ -87,13 +97,27 @@ def _valid(route: list[catalog.Rep], start: int | None, target: int) -> bool:
     return at == target
 
 
+class _FakeStore:
+    """Answers only what the planner lists: which version directories hold a manifest."""
+
+    def __init__(self, url: str, committed: set[int]) -> None:
+        self.url = url
+        self.committed = committed
+
+    def children(self, prefix: str) -> list[str]:
+        v = int(prefix[1:])
+        return [catalog.PRIMARY] if v in self.committed else []
+
+
 @pytest.mark.parametrize("seed", range(N_HISTORIES))
 def test_plan_matches_brute_force(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     rng = random.Random(seed)
     reps = _history(rng)
+    for v in [v for v in reps if v and rng.random() < 0.15]:  # deleted: retention, a failure
+        del reps[v]
     monkeypatch.setattr(catalog, "list_versions", lambda store: sorted(reps))
-    monkeypatch.setattr(catalog, "representations", lambda store, v: list(reps[v]))
-    store = type("FakeStore", (), {"url": f"memory://history-{seed}"})()
+    monkeypatch.setattr(catalog, "representations", lambda store, v, leaves=None: list(reps[v]))
+    store = _FakeStore(f"memory://history-{seed}", set(reps))
     for start in [None, *reps]:
         for target in reps:
             want = _brute(reps, start, target)
@@ -112,3 +136,72 @@ def test_plan_refuses_an_uncommitted_target(monkeypatch: pytest.MonkeyPatch) -> 
     store = type("FakeStore", (), {"url": "memory://x"})()
     with pytest.raises(VersionNotFound, match="version 5 is not committed"):
         catalog.plan(store, None, 5)  # type: ignore[arg-type]
+
+
+class _Counting:
+    """A store that counts listings and manifest reads (a store behind a slow link)."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        self.inner = store
+        self.listed: list[str] = []
+        self.manifests_read: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def children(self, prefix: str, **kw: Any) -> list[str]:
+        self.listed.append(prefix)
+        return self.inner.children(prefix, **kw)
+
+    def get(self, key: str, **kw: Any) -> bytes:
+        if key.endswith(".json"):
+            self.manifests_read.append(key)
+        return self.inner.get(key, **kw)
+
+
+def test_a_refit_plans_from_the_versions_it_crosses_not_the_whole_store() -> None:
+    """One step forward lists that version's directory once and reads its manifest once,
+    however many versions the store holds (a long run's refits must not slow down); a route
+    longer than PROBE_AHEAD, or from nothing, lists the store as before, with the same result."""
+    store = MemoryStore()
+    target = StateDictTarget({})
+    receiver = Receiver(store, target)
+    pub = Publisher(store)
+    torch.manual_seed(0)
+    w = torch.randn(4096, dtype=torch.float32)
+    for _ in range(12):
+        w += 1e-2 * torch.randn_like(w)
+        pub.publish({"w": w.to(torch.bfloat16)})
+    receiver.sync(10)
+    counting = _Counting(store)
+    route = catalog.plan(counting, 10, 11)  # type: ignore[arg-type]
+    assert [r.label for r in route] == [catalog.rep_key(11, None, primary=True)]
+    assert counting.listed == [catalog.version_dir(11)]
+    assert counting.manifests_read == [catalog.rep_key(11, None, primary=True)]
+    assert route[0].manifest is not None and route[0].manifest.version == 11
+    far = catalog.plan(counting, 0, 11)  # type: ignore[arg-type]  # 11 > PROBE_AHEAD: listed
+    assert "" in counting.listed and [r.version for r in far] == list(range(1, 12))
+    with pytest.raises(VersionNotFound, match="version 12 is not committed"):
+        catalog.plan(counting, 10, 12)  # type: ignore[arg-type]
+    # the receiver stages from the planner's manifest: one read of it per sync
+    counting.manifests_read.clear()
+    Receiver(counting, target).sync(11)  # type: ignore[arg-type]
+    assert counting.manifests_read.count(catalog.rep_key(11, None, primary=True)) == 1
+    held = target.held()
+    assert held is not None and held.version == 11
+
+
+def test_the_latest_version_is_found_from_the_newest_directory_down() -> None:
+    """One listing of the root and one of the newest version's directory, whatever the store
+    holds; a newest directory without a manifest (a publish that failed) is passed over."""
+    store = MemoryStore()
+    pub = Publisher(store)
+    for i in range(5):
+        pub.publish({"w": torch.full((64,), float(i), dtype=torch.bfloat16)})
+    store.put(f"{catalog.version_dir(5)}/delta-abc/c000000.whc", b"orphan chunk")
+    store.put("notes/readme.txt", b"not a version")
+    counting = _Counting(store)
+    assert catalog.latest_version(counting) == 4  # type: ignore[arg-type]
+    assert counting.listed == ["", catalog.version_dir(5), catalog.version_dir(4)]
+    assert catalog.latest_version(MemoryStore()) is None
+    assert catalog.list_versions(store) == [0, 1, 2, 3, 4]

@@ -22,7 +22,7 @@ from .verify import modified_outside
 
 def read_route(store: Store, route: list[catalog.Rep]) -> list[tuple[Manifest, Manifest]]:
     """(manifest, the manifest of the version the step arrives at) for every step of `route`."""
-    manifests = [catalog.read_manifest(store, r.key) for r in route]
+    manifests = [r.manifest or catalog.read_manifest(store, r.key) for r in route]
     return [(m, expected_base(store, manifests, i) if r.inverse else m)
             for i, (r, m) in enumerate(zip(route, manifests, strict=True))]
 
