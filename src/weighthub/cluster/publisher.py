@@ -164,8 +164,9 @@ class NetPublisher:
         self.server.stop()
 
     # -- publishing -----------------------------------------------------------------------------
-    def publish(self, state: Mapping[str, torch.Tensor]) -> NetPublishResult:
+    def publish(self, state: Mapping[str, torch.Tensor], *, donate: bool = False) -> NetPublishResult:
         """Commit `state` as the next version, relayed while encoding; announce it to the hub.
+        `donate`: as `Publisher.publish`.
 
         Returns a NetPublishResult: the Publisher's PublishResult fields plus the relay's.
         Raises what `Publisher.publish` raises (the store's errors, ModelMismatch, ObjectExists);
@@ -176,7 +177,7 @@ class NetPublisher:
         planned = self._start_relay(version)
         pushed0 = self.tee.pushed
         try:
-            result = self.publisher.publish(state)
+            result = self.publisher.publish(state, donate=donate)
         finally:
             self._end_relay()
         self.server.serve(result.version)

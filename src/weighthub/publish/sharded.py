@@ -138,7 +138,7 @@ class ShardedPublisher:
 
     def publish(self, state: Mapping[str, torch.Tensor], *,
                 shard_map: Mapping[str, ShardBox] | None = None,
-                version: int | None = None) -> PublishResult:
+                version: int | None = None, donate: bool = False) -> PublishResult:
         """Commit the group's state as the next version. Call on every rank of the group.
 
         Args:
@@ -146,6 +146,12 @@ class ShardedPublisher:
                 placements) or a plain local shard whose box `shard_map` gives.
             shard_map: boxes of plain local tensors (trainers that do not use DTensor).
             version: the version number to commit (default: the next one); all ranks must agree.
+            donate: keep `state`'s tensors as the baseline the next delta is taken against,
+                instead of a copy (no second copy of the model, none made after the commit).
+                Do not modify them afterwards: make the next state as new tensors, as a cast
+                of master weights does. A modification is not published silently: the next
+                delta is taken against the modified words, so every receiver's digest check
+                refuses it (rolled back) until the publisher is made anew.
 
         The first publish of a group is a full version (numbered after the store's latest);
         later ones are deltas against the last version the group committed. A single-process
@@ -160,10 +166,11 @@ class ShardedPublisher:
             ObjectExists: another publisher committed that version first.
         """
         with self._lock:
-            return self._publish(state, shard_map, version)
+            return self._publish(state, shard_map, version, donate)
 
     def _publish(self, state: Mapping[str, torch.Tensor],
-                 shard_map: Mapping[str, ShardBox] | None, asked: int | None) -> PublishResult:
+                 shard_map: Mapping[str, ShardBox] | None, asked: int | None,
+                 donate: bool) -> PublishResult:
         t0 = time.perf_counter()
         plan, shards = self._agree(state, shard_map, asked)
         written, keys = self._stream(plan, shards,
@@ -173,12 +180,13 @@ class ShardedPublisher:
         seconds = time.perf_counter() - t0
         mine = {n: s.new for n, s in shards.items() if s.published}
         self._baseline = advanced(self._baseline, plan.version, manifest.root, plan.specs, mine,
-                                  written[self.rank].digests, on_host=self.options.host_baseline)
+                                  written[self.rank].digests, on_host=self.options.host_baseline,
+                                  donated=donate)
         self._write_extras(plan, manifest, shards)
         if self.options.is_skip_point(plan.version):
             self._skip_base = advanced(self._skip_base, plan.version, manifest.root, plan.specs,
                                        mine, written[self.rank].digests,
-                                       on_host=self.options.host_baseline)
+                                       on_host=self.options.host_baseline, donated=donate)
         if self.rank == self.committer:
             commits.collect_garbage(self.store, plan.version, self.options.retain)
         own = written[self.rank]

@@ -3,18 +3,20 @@
 A rank cuts its shards into chunks of pieces (`layout.plan_pieces`; a whole tensor is one
 piece run, so a single process tiles exactly as `chunking.tile` does), encodes each chunk on
 a small thread pool (the codec kernels and zstd release the GIL) and puts it to the store as
-soon as it is ready, while later chunks are still encoding, with at most `2 × workers` encoded
-chunks in memory. Along the way it sums its digest contributions: the baseline's plus each
-segment's change (from nothing for a full representation), so a delta costs O(changed) in
-digests too. An extra representation of a committed version (anchor, skip delta) knows its
-digests already and computes none.
+soon as it is ready, on threads of its own: an encoder never waits for the network (a put to
+an S3 store on loopback takes ~15-25 ms a chunk, as long as encoding one), so later chunks
+keep encoding meanwhile. At most `2 × workers` encoded chunks are in memory. Along the way it
+sums its digest contributions: the baseline's plus each segment's change (from nothing for a
+full representation), so a delta costs O(changed) in digests too. An extra representation of
+a committed version (anchor, skip delta) knows its digests already and computes none.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar, cast
@@ -91,7 +93,14 @@ def write_chunks(stream: Stream, shards: dict[str, Shard], base: Baseline | None
     by_index = {s.index: s for s in mine}
     lock = threading.Lock()
 
-    def encode(i: int, pieces: list[Piece]) -> tuple[ChunkRef, list[Segment], list[tuple[int, bytes]]]:
+    def put(key: str, frame: bytes) -> None:
+        t0 = time.perf_counter()
+        stream.store.put(key, frame)
+        with lock:
+            out.upload_seconds += time.perf_counter() - t0
+
+    def encode(i: int, pieces: list[Piece]
+               ) -> tuple[Future[None], ChunkRef, list[Segment], list[tuple[int, bytes]]]:
         t0 = time.perf_counter()
         segments: list[Segment] = []
         changes: list[tuple[int, bytes]] = []
@@ -111,24 +120,27 @@ def write_chunks(stream: Stream, shards: dict[str, Shard], base: Baseline | None
             changes.append((piece.tensor, change))
         frame = encode_chunk(segments, version=stream.policy.frame_version)
         key = f"{stream.prefix}/{stream.leaf}c{i:06d}.whc"
+        ref = ChunkRef(key, len(frame), chunk_checksum(frame), covers, boxes)
         with lock:
             keys.append(key)
-        t1 = time.perf_counter()
-        stream.store.put(key, frame)  # streamed out while later chunks are still encoding
-        t2 = time.perf_counter()
-        with lock:
-            out.encode_seconds += t1 - t0
-            out.upload_seconds += t2 - t1
-        return ChunkRef(key, len(frame), chunk_checksum(frame), covers, boxes), segments, changes
+            out.encode_seconds += time.perf_counter() - t0
+        # streamed out while this thread encodes a later chunk
+        return uploads.submit(put, key, frame), ref, segments, changes
 
     # a delta adds the effect of its changes to the committed contributions; a full
     # representation starts from nothing and adds every run's words
     digests = {s.spec.name: ZERO_DIGEST if base is None else base.digests[s.spec.name]
                for s in mine}
     t_start = time.perf_counter()
-    with ThreadPoolExecutor(stream.workers) as pool:
-        for ref, segments, changes in bounded_map(pool, encode, list(enumerate(chunks)),
-                                                  2 * stream.workers):
+    # Left in reverse order: the chunks still to encode are cancelled (after a failure), then
+    # the encoders finish (a running encode still submits its put), then the puts: every key
+    # put is in `keys` by the time this returns or raises.
+    with ThreadPoolExecutor(stream.workers, thread_name_prefix="weighthub-put") as uploads, \
+            ThreadPoolExecutor(stream.workers) as pool, \
+            contextlib.closing(bounded_map(pool, encode, list(enumerate(chunks)),
+                                           2 * stream.workers)) as encoded:
+        for stored, ref, segments, changes in encoded:
+            stored.result()  # in order: a chunk that failed to store fails the stream here
             out.refs.append(ref)
             for seg in segments:
                 name = by_index[seg.tensor].spec.name
@@ -145,7 +157,7 @@ def write_chunks(stream: Stream, shards: dict[str, Shard], base: Baseline | None
 
 
 def bounded_map(pool: ThreadPoolExecutor, fn: Callable[[int, list[Piece]], _T],
-                items: list[tuple[int, list[Piece]]], depth: int) -> Iterator[_T]:
+                items: list[tuple[int, list[Piece]]], depth: int) -> Generator[_T, None, None]:
     """pool.map, in order, with at most `depth` results in flight (each holds an encoded chunk)."""
     pending: list[Future[_T]] = []
     try:
