@@ -285,3 +285,70 @@ def test_a_niced_node_applies_at_its_nice_value_and_serves_at_the_process_priori
         node.stop()
     with pytest.raises(UsageError, match=r"--nice must be in 0\.\.19"):
         NodeConfig("bad", nice=20)
+
+
+class _HidesNewest:
+    """The store as a node sees it, its newest version hidden until `show` (published meanwhile)."""
+
+    def __init__(self, store: MemoryStore, hidden: str) -> None:
+        self.inner, self.hidden, self.show = store, hidden, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def children(self, prefix: str, **kw: Any) -> list[str]:
+        names = self.inner.children(prefix, **kw)
+        return names if self.show or prefix else [n for n in names if n != self.hidden]
+
+
+@pytest.mark.parametrize("pushed", [True, False])
+def test_a_ray_node_daemon_applies_a_pushed_delta_after_the_engines_staging(pushed: bool) -> None:
+    """integrations.ray.daemons: a delta whose manifest and chunks were pushed to the daemon
+    whole waits `apply_delay_s` before the daemon's own apply (the host's engines stage from
+    those chunks meanwhile); one it must fetch itself does not wait; stopping ends the wait."""
+    import threading
+
+    from weighthub import catalog
+    from weighthub.format import chunk_checksum
+    from weighthub.integrations.ray.daemons import _EnginesFirst
+
+    store = MemoryStore()
+    pub = Publisher(store, full_span_bytes=64 << 10, delta_span_bytes=64 << 10)
+    v0 = make_state(0, tensors=2, numel=1 << 12)
+    v1 = step(v0, 1)
+    pub.publish(v0)
+    pub.publish(v1)
+    view, cache = _HidesNewest(store, catalog.version_dir(1)), MemoryStore("cache")
+    events, target = Events(), StateDictTarget({})
+    node = _EnginesFirst(view, target, b"s" * 32, NodeConfig("d", poll_s=0.05),
+                         hub=None, cache=cache, on_event=events, apply_delay_s=30.0)
+    waits: list[float] = []
+    real_wait = node._stopping.wait
+    node._stopping.wait = lambda s: waits.append(s) or real_wait(s)  # type: ignore[method-assign]
+    node.start()
+    try:
+        events.wait("synced", 0)
+        if pushed:  # what the relay tree pushes: the chunks, then the manifest the hub vouched for
+            key = catalog.rep_key(1, None, primary=True)
+            raw = store.get(key)
+            for ref in catalog.primary_manifest(store, 1).chunks:
+                cache.put(ref.key, store.get(ref.key))
+            cache.put(key, raw)
+            node.digests[1] = chunk_checksum(raw)
+        view.show = True
+        if not pushed:
+            events.wait("synced", 1)
+            assert waits == [] and same_bits(target.state, v1)
+            return
+        deadline = time.monotonic() + 30
+        while not waits and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert waits == [30.0]  # waiting for the engines' staging, still at version 0
+        held = node.target.held()
+        assert held is not None and held.version == 0
+    finally:
+        t0 = time.monotonic()
+        stopper = threading.Thread(target=node.stop)
+        stopper.start()
+        stopper.join(20)
+        assert not stopper.is_alive() and time.monotonic() - t0 < 20  # the wait ends at stop

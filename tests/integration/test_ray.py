@@ -117,6 +117,8 @@ def test_grpo_steps_refit_every_engine_bit_exact(run: dict[str, Any]) -> None:
         assert row["lag"] == 0 and row["drift"] < 0.3  # bf16 kernels differ (0.12 measured)
         assert row["prestaged"] and row["stage_errors"] == []
         assert row["in_turn"]  # vLLM CPU engines pause in their node's turn (`pauses`)
+        assert [e["stage_s"] > 0 and e["pause_s"] > 0 for e in row["per_engine"]] == [True] * 2
+        assert 0 < row["publish_stream_s"] <= row["publish_s"]
         assert row["baseline_bytes"] == 2 * row["dense_bytes"]  # the object-store route moves everything
         assert 0 < row["engine_bytes"] < row["baseline_bytes"]
     _assert_engines_at(run, rows[-1]["version"])

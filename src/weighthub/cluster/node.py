@@ -82,7 +82,7 @@ class NodeConfig:
     full_check_versions: int = 16
     full_check_s: float = 1800.0
     # the follow thread's (syncs, guard checks) least nice: above 0 where engines share the
-    # host's cores and do not wait for this node's copy; relaying and serving keep the process's
+    # host's cores and do not wait for this node's copy (relaying, serving: the process's nice)
     nice: int = 0
 
     def __post_init__(self) -> None:
@@ -183,8 +183,7 @@ class Node:
 
     def stop(self) -> None:
         """Stop following, leave the hub, stop serving. A sync in progress finishes first."""
-        self._stop.set()
-        self._wake.set()
+        self.request_stop()
         if self._thread is not None:
             self._thread.join()
         if self.hub is not None:

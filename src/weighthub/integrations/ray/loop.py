@@ -65,6 +65,17 @@ class RLConfig:
                              f"{self.rollout_nodes!r}")
 
 
+def _engine_figures(refit: dict[str, Any]) -> dict[str, float]:
+    """Where one engine's part of a refit went, in order: waiting for its node's daemon to hold
+    the version, staging, waiting for its pause turn (serving), waiting for a generation in
+    flight to end, the pause."""
+    staged = refit["staged"] or {}
+    return {"node_wait_s": staged.get("node_wait_s", 0.0),
+            "stage_s": staged.get("stage_s", refit["stage_s"]),
+            "turn_wait_s": refit["turn_wait_s"], "serve_wait_s": refit["serve_wait_s"],
+            "pause_s": refit["pause_s"]}
+
+
 def settle(wire: Callable[[], int], *, quiet_bytes: int = 64 << 10, interval_s: float = 0.5,
            timeout_s: float = SETTLE_TIMEOUT_S) -> float:
     """Wait until the link is quiet (fewer than `quiet_bytes` in an `interval_s`); the seconds
@@ -237,6 +248,9 @@ class GRPOLoop:
                "drift": trained["drift"], "lag": trained["lag"], "attested": attested,
                "version": trained["version"], "changed": trained["changed"],
                "publish_s": trained["publish_s"], "payload_bytes": trained["payload_bytes"],
+               # the publish's chunk phase, and its threads' busy time encoding and uploading
+               **{k: trained[k] for k in ("publish_stream_s", "publish_encode_s",
+                                          "publish_upload_s")},
                "dense_bytes": trained["dense_bytes"],
                "gen_tokens": tokens, "gen_s": gen_s}
         if refit_results:  # lag 1: the previous version's refit, overlapped with generation
@@ -263,6 +277,7 @@ class GRPOLoop:
                 "node_relayed": [bool((r["staged"] or {}).get("node_relayed")) for r in done],
                 "stage_errors": [r["stage_error"] for r in done if r["stage_error"]],
                 "engine_bytes": fetched,
+                "per_engine": [_engine_figures(r) for r in done],
                 # chunks each source handed the engines so far (this node's daemon, the store)
                 "served": [r["served"] for r in done]}
 

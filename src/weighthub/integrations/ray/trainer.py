@@ -88,7 +88,9 @@ class GRPOTrainer:
 
     def _publish(self, state: dict[str, torch.Tensor]) -> dict[str, Any]:
         t0 = time.perf_counter()
-        result = self.publisher.publish(state)
+        # donated: every state is a fresh cast of the master weights, only read after this
+        # (the drift check), so the publisher keeps it rather than a copy
+        result = self.publisher.publish(state, donate=True)
         seconds = time.perf_counter() - t0
         root = catalog.primary_manifest(self.publisher.store, result.version).root
         self.ledger.record(self.store_url, result.version, root)
@@ -96,6 +98,9 @@ class GRPOTrainer:
         for v in [v for v in self.states if v < result.version - self.ledger.max_lag]:
             del self.states[v]
         return {"version": result.version, "root": root, "publish_s": seconds, "published_at": t0,
+                "publish_stream_s": result.stream_seconds,
+                "publish_encode_s": result.encode_seconds,
+                "publish_upload_s": result.upload_seconds,
                 "payload_bytes": result.payload_bytes, "dense_bytes": result.dense_bytes,
                 "changed": result.changed_fraction}
 
