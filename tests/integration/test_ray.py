@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -192,12 +193,26 @@ def test_weights_changed_outside_weighthub_are_flagged(run: dict[str, Any]) -> N
     _assert_engines_at(run, version + 1)
 
 
+def _until_dead(ray: Any, actor: Any, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.weighthub_attestation.remote(), timeout=10)
+        except ray.exceptions.ActorDiedError:
+            return
+        except ray.exceptions.ActorUnavailableError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"actor {actor} still answers {timeout:g} s after ray.kill")
+
+
 def test_killed_rollout_actors_come_back(run: dict[str, Any]) -> None:
     loop, ray = run["loop"], run["ray"]
     ray.kill(loop.engines[1], no_restart=False)  # Ray restarts it: from v0's checkpoint, it
     assert loop.ensure_engines() == []           # attaches itself and refits to the newest
     _assert_engines_at(run, _newest(run))
     ray.kill(loop.engines[0], no_restart=True)  # gone for good: the loop starts another
+    _until_dead(ray, loop.engines[0])  # the kill is asynchronous: a call right after may still land
     assert loop.ensure_engines() == [0]
     _assert_engines_at(run, _newest(run))
     loop.run(1)
