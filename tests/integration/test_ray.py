@@ -117,6 +117,9 @@ def test_grpo_steps_refit_every_engine_bit_exact(run: dict[str, Any]) -> None:
         assert {(v, r) for _, v, r in row["attested"]} == {(row["version"] - 1, root[:12])}
         assert row["lag"] == 0 and row["drift"] < 0.3  # bf16 kernels differ (0.12 measured)
         assert row["prestaged"] and row["stage_errors"] == []
+        # planned from the manifest the relay tree brought each node (hub-verified), with no
+        # listing or manifest read from the store
+        assert row["relayed_manifest"] == [True, True], row
         assert row["in_turn"]  # vLLM CPU engines pause in their node's turn (`pauses`)
         assert [e["stage_s"] > 0 and e["pause_s"] > 0 for e in row["per_engine"]] == [True] * 2
         assert 0 < row["publish_stream_s"] <= row["publish_s"]

@@ -76,3 +76,17 @@ def test_publisher_is_the_sharded_pipeline_on_a_group_of_one() -> None:
     assert again.version == 1
     state["b"][0] = 1
     assert (again.publish(state).version, again.version) == (2, 2)
+
+
+def test_a_publish_result_carries_the_root_its_manifest_committed() -> None:
+    """Callers attest with the result's root instead of reading the manifest back."""
+    from weighthub import catalog
+
+    store = MemoryStore()
+    pub = Publisher(store)
+    roots = set()
+    for step in range(3):
+        result = pub.publish({"w": torch.arange(64, dtype=torch.float32) * (step + 1)})
+        assert result.root == catalog.primary_manifest(store, result.version).root
+        roots.add(result.root)
+    assert len(roots) == 3

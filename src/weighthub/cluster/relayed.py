@@ -45,9 +45,11 @@ class RelayedManifests:
     def trusted_route(self, manifests: Mapping[int, bytes]) -> Iterator[None]:
         """Plan and stage from these verified primary manifests (version -> bytes).
 
-        The caller must have checked every one against the hub's digest for its version. Only
-        their versions are listed, so the Receiver's route is their chain of primary deltas
-        (NoSyncPath when they do not chain from what it holds: then sync without this).
+        The caller must have checked every one against the hub's digest for its version. The
+        store's root lists only their versions and their directories only the primary
+        manifest, so a one-step refit reads nothing from the store; a route that also crosses
+        other versions (a receiver more than one version behind) reads those from the store
+        (NoSyncPath when there is no route: then sync without this).
         """
         trusted = {catalog.rep_key(v, None, primary=True): bytes(raw) for v, raw in manifests.items()}
         listing = {"": [catalog.version_dir(v) for v in sorted(manifests)],
@@ -112,6 +114,14 @@ def relayed_manifest(cache: Readable, version: int, digest: str | None, *,
         raw = cache.get(catalog.rep_key(version, None, primary=True), max_bytes=MAX_MANIFEST_BYTES)
     except (StoreError, LimitError):  # oversized counts as not relayed: the store has it
         return None  # not relayed (or not yet): the store has it
+    return vouched(raw, version, digest, where=where)
+
+
+def vouched(raw: bytes, version: int, digest: str | None, *, where: str) -> bytes | None:
+    """`raw` if it hashes to `digest`, the SHA-256 the hub recorded for `version`'s primary
+    manifest at the commit; None (logged when it differs) otherwise: read the store's."""
+    if digest is None or len(raw) > MAX_MANIFEST_BYTES:
+        return None
     got = chunk_checksum(raw)
     if got != digest:
         log.warning("%s: relayed manifest of version %d has SHA-256 %s…, the hub recorded %s…; "
@@ -125,8 +135,11 @@ def relayed_chunks(cache: Readable, version: int, digest: str | None, *,
     """The chunks `version`'s relayed manifest names (None: no manifest relayed that hashes to
     the hub's `digest`, or one that does not parse)."""
     raw = relayed_manifest(cache, version, digest, where=where)
-    if raw is None:
-        return None
+    return None if raw is None else manifest_chunks(raw, version, where=where)
+
+
+def manifest_chunks(raw: bytes, version: int, *, where: str) -> list[ChunkRef] | None:
+    """The chunks a relayed manifest of `version` names (None: it does not parse)."""
     try:
         return list(decode_manifest(raw, where=f"{where}: relayed manifest of version {version}")
                     .chunks)

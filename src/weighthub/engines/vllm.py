@@ -51,7 +51,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..cluster.peers import HolderSource
-from ..errors import UsageError, WeighthubError
+from ..cluster.relayed import RelayedManifests, vouched
+from ..errors import NoSyncPath, UsageError, VersionNotFound, WeighthubError
 from ..net.auth import MIN_SECRET_BYTES
 from ..receive import Receiver, Staged
 from ..sources import ChunkSource, SourceList, StoreSource
@@ -107,12 +108,20 @@ class WeighthubWorker:
         """
         return _rpc(lambda: self._wh_bind(store_url, version, xor, stage_dir, tuple(peers), secret))
 
-    def weighthub_stage(self, version: int | None = None,
-                        store_url: str | None = None) -> dict[str, Any]:
+    def weighthub_stage(self, version: int | None = None, store_url: str | None = None,
+                        manifest: bytes | None = None,
+                        manifest_sha256: str | None = None) -> dict[str, Any]:
         """Fetch, check and decode `version` (default: latest) against what the engine holds,
         leaving its weights untouched; kept for the next `weighthub_refit` (replaces any
-        version staged before). `store_url`: as for `weighthub_refit`."""
-        return _rpc(lambda: self._wh_stage(version, store_url))
+        version staged before). `store_url`: as for `weighthub_refit`.
+
+        `manifest`: `version`'s primary manifest as the relay tree delivered it to this host
+        (e.g. by its node daemon), used only if it hashes to `manifest_sha256`, the digest the
+        hub recorded at the commit, and is one delta from what the engine holds: the route is
+        then planned from it, with no listing or manifest read from the store (its chunks are
+        still checked against it). Otherwise the store plans, as without it.
+        `relayed_manifest` in the result says which."""
+        return _rpc(lambda: self._wh_stage(version, store_url, manifest, manifest_sha256))
 
     def weighthub_refit(self, version: int | None = None,
                         store_url: str | None = None) -> dict[str, Any]:
@@ -200,7 +209,8 @@ class WeighthubWorker:
         if views:  # apply in the engine's own memory; the host mirror is dropped
             target = EngineTarget(StateDictTarget(views, held), placement, store, target.digests,
                                    in_place=True)
-        self._weighthub = (Receiver(store, target, sources=sources), target)
+        # manifests relayed to this host may answer a stage's plan (`weighthub_stage`)
+        self._weighthub = (Receiver(RelayedManifests(store), target, sources=sources), target)
         self._wh_staged = None  # staged against the previous binding's target
         return {"version": held.version, "root": held.root, "full_reload_s": full_s,
                 "in_place": target.in_place, "in_place_refused": why,
@@ -213,14 +223,19 @@ class WeighthubWorker:
             receiver = Receiver(store, target, sources=self._wh_sources_for(store))
         return receiver, target
 
-    def _wh_stage(self, version: int | None, store_url: str | None) -> dict[str, Any]:
+    def _wh_stage(self, version: int | None, store_url: str | None, manifest: bytes | None = None,
+                  manifest_sha256: str | None = None) -> dict[str, Any]:
         self._wh_staged = None  # a failed stage leaves nothing staged
         receiver, _target = self._wh_receiver(store_url)
-        staged = receiver.stage(version)
+        staged = _staged_relayed(receiver, version, manifest, manifest_sha256)
+        relayed = staged is not None
+        if staged is None:
+            staged = receiver.stage(version)
         self._wh_staged = (store_url, receiver, staged)
         return {"version": staged.version, "from_version": staged.from_version,
                 "route": list(staged.route), "bytes_fetched": staged.bytes_fetched,
-                "stage_s": staged.stage_seconds, "served": dict(receiver.sources.served)}
+                "stage_s": staged.stage_seconds, "served": dict(receiver.sources.served),
+                "relayed_manifest": relayed}
 
     def _wh_refit(self, version: int | None, store_url: str | None) -> dict[str, Any]:
         pending, self._wh_staged = getattr(self, "_wh_staged", None), None
@@ -330,6 +345,24 @@ class WeighthubWorker:
 
     def _wh_reload(self, weights: Any) -> None:
         self.reload_weights(weights_iterator=weights)
+
+
+def _staged_relayed(receiver: Receiver, version: int | None, manifest: bytes | None,
+                    digest: str | None) -> Staged | None:
+    """`version` staged from a manifest relayed to this host (`weighthub_stage`); None when
+    there is none, it is not the one the hub vouched for, or it is no delta from what the
+    engine holds (the store then plans)."""
+    manifests = receiver.store
+    if version is None or manifest is None or not isinstance(manifests, RelayedManifests):
+        return None
+    raw = vouched(manifest, version, digest, where="vLLM worker")
+    if raw is None:
+        return None
+    try:
+        with manifests.trusted_route({version: raw}):
+            return receiver.stage(version)
+    except (NoSyncPath, VersionNotFound):  # not one step from the held version
+        return None
 
 
 def _rpc(call: Any) -> dict[str, Any]:

@@ -24,10 +24,15 @@ def bind(llm: Any, store_url: str, version: int | None = None, *, xor: bool = Tr
                                       args=(store_url, version, xor, stage_dir, peers, secret)))
 
 
-def stage(llm: Any, version: int | None = None, *, store_url: str | None = None) -> dict[str, Any]:
+def stage(llm: Any, version: int | None = None, *, store_url: str | None = None,
+          manifest: bytes | None = None, manifest_sha256: str | None = None) -> dict[str, Any]:
     """Fetch, check and decode `version` (default: latest) on every worker of `llm`, weights
-    untouched, for the next `refit`; returns rank 0's result (`stage_s`, `bytes_fetched`)."""
-    return _gather(llm.collective_rpc("weighthub_stage", args=(version, store_url)))
+    untouched, for the next `refit`; returns rank 0's result (`stage_s`, `bytes_fetched`,
+    `relayed_manifest`). `manifest`: `version`'s primary manifest as relayed to this host,
+    with the SHA-256 the hub recorded for it (`manifest_sha256`): the workers plan and stage
+    from it instead of listing the store and reading its manifest (`weighthub_stage`)."""
+    return _gather(llm.collective_rpc("weighthub_stage",
+                                      args=(version, store_url, manifest, manifest_sha256)))
 
 
 def refit(llm: Any, version: int | None = None, *, store_url: str | None = None,

@@ -32,6 +32,7 @@ class PublishResult:
     stream_seconds: float = 0.0
     encode_seconds: float = 0.0
     upload_seconds: float = 0.0
+    root: str = ""  # the committed version's root digest (hex), as its manifest records it
 
     @property
     def changed_fraction(self) -> float:

@@ -193,7 +193,8 @@ class ShardedPublisher:
         return PublishResult(plan.version, manifest.base, manifest.dense_bytes,
                              manifest.payload_bytes, manifest.changed,
                              sum(s.numel for s in plan.specs), seconds, len(manifest.chunks),
-                             own.stream_seconds, own.encode_seconds, own.upload_seconds)
+                             own.stream_seconds, own.encode_seconds, own.upload_seconds,
+                             manifest.root)
 
     def _adopt(self) -> None:
         """A single process adopts the store's latest version as its baseline (once)."""

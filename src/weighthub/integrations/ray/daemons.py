@@ -23,7 +23,7 @@ from ...cluster import hub as hub_server
 from ...cluster.hubclient import HubClient
 from ...cluster.hubcore import HubConfig
 from ...cluster.node import Node, NodeConfig
-from ...cluster.relayed import all_relayed, relayed_chunks
+from ...cluster.relayed import all_relayed, manifest_chunks, relayed_chunks, relayed_manifest
 from ...cluster.topology import Labels
 from ...errors import PeerTimeout, UsageError
 from ...format import ChunkRef
@@ -160,24 +160,31 @@ class NodeDaemon:
         node holds it, or its relay parent pushed the version whole (the manifest the hub
         vouched for and every chunk it names: `relayed_chunks`, `all_relayed`). Engines then need not wait for
         the node's own apply into its host copy. {"held": its held version or None,
-        "relayed": whether the pushed chunks answered}.
+        "relayed": whether the pushed chunks answered, "manifest": the relayed manifest of
+        `version` (bytes) or None, "manifest_sha256": the digest the hub recorded for it}: an
+        engine plans and stages from that manifest instead of reading the store's (one listing
+        and one manifest per refit, across the slow link when the store is far).
 
         Raises:
             PeerTimeout: neither within `timeout` seconds (the node's last events said).
         """
         where = f"node daemon {self.node.config.node_id}"
-        chunks: list[ChunkRef] | None = None  # the relayed manifest's, decoded once
+        raw: bytes | None = None  # the relayed manifest, checked against the hub's digest once
+        chunks: list[ChunkRef] | None = None  # and its chunks, decoded once
 
         def servable() -> dict[str, Any] | None:
-            nonlocal chunks
+            nonlocal raw, chunks
+            if raw is None:
+                raw = relayed_manifest(self.node.cache, version, self.node.digests.get(version),
+                                       where=where)
+                chunks = None if raw is None else manifest_chunks(raw, version, where=where)
+            found = {"manifest": raw, "manifest_sha256": None if raw is None
+                     else self.node.digests.get(version)}
             held = self.held()
             if held is not None and held["version"] >= version:
-                return {"held": held, "relayed": False}
-            if chunks is None:
-                chunks = relayed_chunks(self.node.cache, version,
-                                        self.node.digests.get(version), where=where)
+                return {"held": held, "relayed": False} | found
             if chunks is not None and all_relayed(self.node.cache, chunks):
-                return {"held": held, "relayed": True}
+                return {"held": held, "relayed": True} | found
             return None
         return self._wait(servable, timeout, f"can serve neither version {version} nor a newer one",
                           poll_s=0.005)

@@ -275,6 +275,9 @@ class GRPOLoop:
                 "prestaged": all(r["prestaged"] for r in done),
                 # per engine: staged from chunks its daemon had been pushed, before its apply
                 "node_relayed": [bool((r["staged"] or {}).get("node_relayed")) for r in done],
+                # per engine: planned from the manifest relayed to its node, not the store's
+                "relayed_manifest": [bool((r["staged"] or {}).get("relayed_manifest"))
+                                     for r in done],
                 "stage_errors": [r["stage_error"] for r in done if r["stage_error"]],
                 "engine_bytes": fetched,
                 "per_engine": [_engine_figures(r) for r in done],

@@ -117,17 +117,21 @@ class RolloutEngine:
 
     def _wh_stage_now(self, spec: SyncSpec, version: int | None, wait_node: bool) -> dict[str, Any]:
         t0 = time.perf_counter()
-        relayed = False
+        served: dict[str, Any] = {}
         if wait_node and version is not None:
             import ray
             daemon = ray.get_actor(f"{spec.name}-node-{self._wh_node_id[:16]}")
             # the daemon's chunks as soon as they were pushed to it whole, or once it holds
             # the version: not after its own apply into its host copy
-            served: dict[str, Any] = dict(ray.get(daemon.wait_available.remote(version, STAGE_WAIT_S),
-                                                  timeout=STAGE_WAIT_S + 10))
-            relayed = bool(served["relayed"])
+            served = dict(ray.get(daemon.wait_available.remote(version, STAGE_WAIT_S),
+                                  timeout=STAGE_WAIT_S + 10))
         t1 = time.perf_counter()
-        return dict(stage(self.llm, version)) | {"node_wait_s": t1 - t0, "node_relayed": relayed}
+        # planned from the manifest the daemon was relayed (the hub's digest vouches for it):
+        # no listing or manifest read from the store, which may be across the slow link
+        staged = stage(self.llm, version, manifest=served.get("manifest"),
+                       manifest_sha256=served.get("manifest_sha256"))
+        return dict(staged) | {"node_wait_s": t1 - t0,
+                               "node_relayed": bool(served.get("relayed"))}
 
     @contextlib.contextmanager
     def _wh_serving(self) -> Iterator[None]:

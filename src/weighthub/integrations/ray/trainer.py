@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from ... import catalog
 from ...bench.models.smollm2 import load_smollm2, policy_state
 from ...codec.coding import ENCODE_PROFILES
 from ...errors import UsageError
@@ -92,7 +91,7 @@ class GRPOTrainer:
         # (the drift check), so the publisher keeps it rather than a copy
         result = self.publisher.publish(state, donate=True)
         seconds = time.perf_counter() - t0
-        root = catalog.primary_manifest(self.publisher.store, result.version).root
+        root = result.root  # not read back from the store: a GET inside the refit
         self.ledger.record(self.store_url, result.version, root)
         self.states[result.version] = state
         for v in [v for v in self.states if v < result.version - self.ledger.max_lag]:
