@@ -4,12 +4,11 @@ and it is one delta from what the engine holds; otherwise the store plans, as wi
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pytest
 import torch
 
+from counting_store import CountingStore
 from weighthub import catalog
 from weighthub.cluster.relayed import RelayedManifests, vouched
 from weighthub.engines.vllm import _staged_relayed
@@ -19,28 +18,6 @@ from weighthub.receive import Receiver
 from weighthub.store.memory import MemoryStore
 from weighthub.targets import StateDictTarget
 from weighthub.tensors import bits
-
-
-class _Counting:
-    """A store that records its listings and manifest reads (a store across a slow link)."""
-
-    def __init__(self, store: MemoryStore) -> None:
-        self.inner = store
-        self.url = store.url
-        self.listed: list[str] = []
-        self.manifests_read: list[str] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def children(self, prefix: str, **kw: Any) -> list[str]:
-        self.listed.append(prefix)
-        return self.inner.children(prefix, **kw)
-
-    def get(self, key: str, **kw: Any) -> bytes:
-        if key.endswith(".json"):
-            self.manifests_read.append(key)
-        return self.inner.get(key, **kw)
 
 
 def _published(versions: int) -> tuple[MemoryStore, list[dict[str, torch.Tensor]]]:
@@ -56,10 +33,10 @@ def _published(versions: int) -> tuple[MemoryStore, list[dict[str, torch.Tensor]
     return store, states
 
 
-def _engine_at(store: MemoryStore, version: int) -> tuple[Receiver, _Counting, StateDictTarget]:
+def _engine_at(store: MemoryStore, version: int) -> tuple[Receiver, CountingStore, StateDictTarget]:
     """A bound engine's receiver (over RelayedManifests, as `weighthub_bind` makes it) at
     `version`, committed by that receiver (so it knows the held digests)."""
-    counting = _Counting(store)
+    counting = CountingStore(store)
     target = StateDictTarget({})
     receiver = Receiver(RelayedManifests(counting), target)
     receiver.sync(version)

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
-from typing import Any
 
 import pytest
 import torch
 
+from counting_store import CountingStore
 from weighthub import catalog
 from weighthub.errors import NoSyncPath, VersionNotFound
 from weighthub.publish import Publisher
@@ -138,27 +138,6 @@ def test_plan_refuses_an_uncommitted_target(monkeypatch: pytest.MonkeyPatch) -> 
         catalog.plan(store, None, 5)  # type: ignore[arg-type]
 
 
-class _Counting:
-    """A store that counts listings and manifest reads (a store behind a slow link)."""
-
-    def __init__(self, store: MemoryStore) -> None:
-        self.inner = store
-        self.listed: list[str] = []
-        self.manifests_read: list[str] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def children(self, prefix: str, **kw: Any) -> list[str]:
-        self.listed.append(prefix)
-        return self.inner.children(prefix, **kw)
-
-    def get(self, key: str, **kw: Any) -> bytes:
-        if key.endswith(".json"):
-            self.manifests_read.append(key)
-        return self.inner.get(key, **kw)
-
-
 def test_a_refit_plans_from_the_versions_it_crosses_not_the_whole_store() -> None:
     """One step forward lists that version's directory once and reads its manifest once,
     however many versions the store holds (a long run's refits must not slow down); a route
@@ -173,7 +152,7 @@ def test_a_refit_plans_from_the_versions_it_crosses_not_the_whole_store() -> Non
         w += 1e-2 * torch.randn_like(w)
         pub.publish({"w": w.to(torch.bfloat16)})
     receiver.sync(10)
-    counting = _Counting(store)
+    counting = CountingStore(store)
     route = catalog.plan(counting, 10, 11)  # type: ignore[arg-type]
     assert [r.label for r in route] == [catalog.rep_key(11, None, primary=True)]
     assert counting.listed == [catalog.version_dir(11)]
@@ -200,7 +179,7 @@ def test_the_latest_version_is_found_from_the_newest_directory_down() -> None:
         pub.publish({"w": torch.full((64,), float(i), dtype=torch.bfloat16)})
     store.put(f"{catalog.version_dir(5)}/delta-abc/c000000.whc", b"orphan chunk")
     store.put("notes/readme.txt", b"not a version")
-    counting = _Counting(store)
+    counting = CountingStore(store)
     assert catalog.latest_version(counting) == 4  # type: ignore[arg-type]
     assert counting.listed == ["", catalog.version_dir(5), catalog.version_dir(4)]
     assert catalog.latest_version(MemoryStore()) is None

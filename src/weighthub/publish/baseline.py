@@ -48,8 +48,8 @@ def advanced(baseline: Baseline | None, version: int, root: str, specs: list[Ten
     with `on_host`. An existing copy is refreshed where it is, except that a host baseline
     adopted from the store (`adopt`, read as a receiver reads it) moves to the device of a
     device shard after its first delta (which uploaded its old words chunk by chunk).
-    `donated`: keep `new_bits` themselves where they are where the copy would live (a device
-    shard's words with `on_host` are still copied), and never write into them later.
+    `donated`: keep `new_bits` themselves as the baseline instead of a copy, and never write
+    into them later; only a device shard's words with `on_host` are still copied (to the host).
     """
     if baseline is None:
         baseline = Baseline(version, root, specs, {}, dict(digests))
