@@ -65,11 +65,21 @@ def scan_changes(a64, b64, lanes, lane_bits, base, w, wbuf, out_pos, out_old, ou
 
     Two phases per chunk of SCAN_CHUNK words: a branch-free pass lists the nonzero words (a
     branch per word mispredicts on every change and stalls the memory stream), then each listed
-    word's lanes are written branch-free, advancing k only for lanes that differ.
+    word writes only its lanes that differ: one add and mask mark them (the top bit of every
+    lane that is nonzero), and a loop takes the marks lowest first. Most listed words hold one
+    changed lane, so that loop's exit is predictable, and a change costs 3 stores where
+    writing every lane branch-free cost 3 per lane. Measured side by side (ABBA, one core,
+    SmolLM2-135M's 270 MB of bf16): the whole scan 0.73-0.81x the time at 2.4% of words
+    changed, 0.72x at 6% and 15%, 1.1x at 30% (far above an RL step's 0.3-3%).
     """
     nw = a64.shape[0]
     cap = out_pos.shape[0]
     lane_mask = (_U1 << np.uint64(lane_bits)) - _U1 if lane_bits < 64 else ~_ZERO
+    low_bits = _ZERO  # every lane's bits below its top bit
+    top_bits = _ZERO  # every lane's top bit
+    for j in range(lanes):
+        low_bits |= (lane_mask >> _U1) << np.uint64(j * lane_bits)
+        top_bits |= (_U1 << np.uint64(lane_bits - 1)) << np.uint64(j * lane_bits)
     chunk = min(SCAN_CHUNK, wbuf.shape[0])
     while w < nw and k + chunk * lanes <= cap:
         hi = min(nw, w + chunk)
@@ -82,13 +92,20 @@ def scan_changes(a64, b64, lanes, lane_bits, base, w, wbuf, out_pos, out_old, ou
             a = a64[i]
             b = b64[i]
             x = a ^ b
+            # a lane's top bit marks it when any of its bits differ (no carry crosses lanes)
+            marks = (((x & low_bits) + low_bits) | x) & top_bits
             first = base + i * lanes
-            for j in range(lanes):
+            while marks != _ZERO:
+                lowest = marks & (~marks + _U1)
+                j = 0  # the lane whose top bit `lowest` is: how many lane tops lie below it
+                for d in range(1, lanes):
+                    j += lowest > (_U1 << np.uint64(d * lane_bits - 1))
                 sh = np.uint64(j * lane_bits)
                 out_pos[k] = first + j
                 out_old[k] = (a >> sh) & lane_mask
                 out_new[k] = (b >> sh) & lane_mask
-                k += ((x >> sh) & lane_mask) != _ZERO
+                k += 1
+                marks ^= lowest
         w = hi
     return k, w
 
