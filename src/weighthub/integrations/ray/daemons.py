@@ -169,17 +169,17 @@ class NodeDaemon:
             PeerTimeout: neither within `timeout` seconds (the node's last events said).
         """
         where = f"node daemon {self.node.config.node_id}"
-        raw: bytes | None = None  # the relayed manifest, checked against the hub's digest once
-        chunks: list[ChunkRef] | None = None  # and its chunks, decoded once
+        found: dict[str, Any] = {"manifest": None, "manifest_sha256": None}
+        chunks: list[ChunkRef] | None = None  # the relayed manifest's, found and decoded once
 
         def servable() -> dict[str, Any] | None:
-            nonlocal raw, chunks
-            if raw is None:
-                raw = relayed_manifest(self.node.cache, version, self.node.digests.get(version),
-                                       where=where)
+            nonlocal chunks
+            if chunks is None:
+                digest = self.node.digests.get(version)
+                raw = relayed_manifest(self.node.cache, version, digest, where=where)
                 chunks = None if raw is None else manifest_chunks(raw, version, where=where)
-            found = {"manifest": raw, "manifest_sha256": None if raw is None
-                     else self.node.digests.get(version)}
+                if chunks is not None:  # it parses: engines may plan from it
+                    found.update(manifest=raw, manifest_sha256=digest)
             held = self.held()
             if held is not None and held["version"] >= version:
                 return {"held": held, "relayed": False} | found
