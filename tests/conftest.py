@@ -9,6 +9,12 @@ it outside every test's timeout and makes each test's run time independent of te
 
 The device backend's host decoders (receive/device.py) are warmed the same way.
 
+vLLM engines with a separate engine-core process (the engine tests) talk over ZeroMQ IPC sockets
+named `<VLLM_RPC_BASE_PATH>/<uuid>` (default: the system temp dir) and never remove them: one
+full suite left ~60 socket files in /tmp. The session points that path at a directory of its
+own, inherited by every process a test starts (Ray raylets and their workers too), and removes
+it at the end.
+
 The codec and digest wrappers hand every kernel one argument form per word width (issue 12:
 the suite used to compile 87 variants for the codec tests alone, now 60), so exercising each
 kernel once per width (`_warm_codec`, the context coder's in `_warm_ctx`) compiles everything any
@@ -19,6 +25,9 @@ would breach its memory bound and deadline).
 from __future__ import annotations
 
 import itertools
+import os
+import shutil
+import tempfile
 import time
 from typing import Any
 
@@ -165,7 +174,22 @@ def _warm_ctx(old: Any, new: Any, dtype: Any) -> None:
             apply_segment(seg, old.copy(), dtype, undo, "warm-up", **kw)
 
 
+_RPC_DIR = pytest.StashKey[str]()
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
+    if "VLLM_RPC_BASE_PATH" not in os.environ:  # a user's own choice stands
+        # short: a socket path must fit in 108 bytes with the 36-character uuid
+        rpc = tempfile.mkdtemp(prefix="wh-vllm-rpc-")
+        os.environ["VLLM_RPC_BASE_PATH"] = rpc
+        session.config.stash[_RPC_DIR] = rpc
     if not session.config.option.collectonly:
         _warm_codec()
         _warm_kernels()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    rpc = session.config.stash.get(_RPC_DIR, None)
+    if rpc is not None:
+        del os.environ["VLLM_RPC_BASE_PATH"]
+        shutil.rmtree(rpc, ignore_errors=True)

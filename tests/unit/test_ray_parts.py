@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from weighthub.cluster.topology import Labels
@@ -74,6 +76,13 @@ def test_spec_round_trips_as_a_private_file(tmp_path) -> None:  # type: ignore[n
     assert path.stat().st_mode & 0o777 == 0o600
     assert SyncSpec.load(path) == spec
     assert "s" * 32 not in repr(spec)  # the secret stays out of logs
+    cached = SyncSpec("g", STORE, "127.0.0.1:9", b"s" * 32,
+                      {"n1": NodeSpec("127.0.0.1:10", Labels("r", "z", "h"), "/x/stage", "/x/cache")})
+    assert SyncSpec.from_json(cached.to_json()) == cached
+    # a spec saved before nodes named their relay cache: engines there read none in place
+    old = json.loads(spec.to_json())
+    del old["nodes"]["n1"]["cache_dir"]
+    assert SyncSpec.from_json(json.dumps(old)).node("n1").cache_dir == ""
 
 
 @pytest.mark.parametrize("text", ["", "{}", '{"name": 1}', "[1]",

@@ -1,7 +1,8 @@
 """The shipped `SourceTests` kit on every built-in chunk source.
 
-Sources: the store (StoreSource), a store used as a cache (StoreCache), the host staging cache
-(StagingSource), one holder's chunk server (PeerSource) and the ranked holders (HolderSource),
+Sources: the store (StoreSource), a store used as a cache (StoreCache), a node daemon's cache
+read in place (NodeCacheReader), the host staging cache (StagingSource), one holder's chunk
+server (PeerSource) and the ranked holders (HolderSource),
 the last two against a real ChunkServer on loopback. Stalled: a memory store whose lock another
 call holds, and a TCP server that accepts and never answers.
 """
@@ -18,10 +19,10 @@ import pytest
 from silent_server import silent_server
 from weighthub.cluster.peers import HolderSource, PeerSource
 from weighthub.net.server import ChunkServer
-from weighthub.sources import ChunkId, ChunkSource, StoreCache, StoreSource
+from weighthub.sources import ChunkId, ChunkSource, NodeCacheReader, StoreCache, StoreSource
 from weighthub.sources.staging import StagingSource
-from weighthub.store import MemoryStore
-from weighthub.testing import CacheTests, SourceTimeoutTests
+from weighthub.store import LocalStore, MemoryStore
+from weighthub.testing import CacheTests, SourceTests, SourceTimeoutTests
 from weighthub.testing.sources import VERSION, chunk_id
 
 SECRET = os.urandom(32)
@@ -57,6 +58,20 @@ class TestStoreCache(SourceTimeoutTests, CacheTests):
     def stalled_source(self) -> tuple[ChunkSource, ChunkId]:
         store, ref = _stalled_memory()
         return StoreCache(store), ref
+
+
+class TestNodeCacheReader(SourceTests):
+    """A node daemon's relay cache (a LocalStore directory it fills), read in place."""
+
+    @pytest.fixture(autouse=True)
+    def _tmp(self, tmp_path: Path) -> None:
+        self.tmp = tmp_path
+
+    def make_source(self, chunks: dict[ChunkId, bytes]) -> ChunkSource:
+        cache = LocalStore(tempfile.mkdtemp(dir=self.tmp, prefix="node-cache-"))
+        for ref, data in chunks.items():  # as the daemon's chunk server stages pushes
+            cache.put(ref.key, data)
+        return NodeCacheReader(cache.root)
 
 
 class TestStagingSource(CacheTests):

@@ -27,9 +27,16 @@ from weighthub.format import chunk_checksum
 from weighthub.net.client import Timeouts
 from weighthub.publish import Publisher
 from weighthub.receive import Receiver
-from weighthub.sources import ChunkId, ChunkSource, SourceList, StoreCache, StoreSource
+from weighthub.sources import (
+    ChunkId,
+    ChunkSource,
+    NodeCacheReader,
+    SourceList,
+    StoreCache,
+    StoreSource,
+)
 from weighthub.sources.staging import StagingSource
-from weighthub.store import MemoryStore
+from weighthub.store import LocalStore, MemoryStore
 from weighthub.targets import StateDictTarget
 from weighthub.tensors import bits
 
@@ -241,3 +248,28 @@ def test_an_oversized_cached_copy_is_refused_unread_and_replaced() -> None:
     cache_store.put(REF.key, b"x" * (1 << 20))
     with pytest.raises(LimitError, match=f"{REF.key}.*{1 << 20} bytes"):
         fails.fetch(REF)
+
+
+def test_a_node_cache_is_read_in_place_and_copied_nowhere(tmp_path: Path) -> None:
+    """Engines read the chunks pushed to their node daemon from its cache directory: no copy of
+    them goes into the host staging cache (they are on this host already). A corrupt file there
+    is refused by its checksum and the next source's copy is used (and kept by the caches);
+    the daemon's directory is never written."""
+    daemon = LocalStore(tmp_path / "cache")
+    daemon.put(REF.key, DATA)
+    staging = StagingSource(tmp_path / "stage")
+    node = NodeCacheReader(tmp_path / "cache")
+    store = MemoryStore("node-cache-store")
+    store.put(REF.key, DATA)
+    sources = SourceList([node, staging, StoreSource(store)])
+    assert sources.fetch(REF) == DATA
+    assert sources.served == {node.name: 1}
+    with pytest.raises(ObjectNotFound):
+        staging.get_chunk(REF, timeout=1)  # no second copy on the host
+    daemon.put(REF.key, corrupt(DATA))
+    assert sources.fetch(REF) == DATA  # the store's copy, after the checksum refused the file
+    assert staging.get_chunk(REF, timeout=1) == DATA  # kept: it came from off the host
+    assert daemon.get(REF.key) == corrupt(DATA)  # read only: the daemon repairs its own cache
+    missing = NodeCacheReader(tmp_path / "no-daemon-here")  # a node without a cache yet: a miss
+    assert SourceList([missing, StoreSource(store)]).fetch(REF) == DATA
+    assert not (tmp_path / "no-daemon-here").exists()

@@ -55,7 +55,7 @@ from ..cluster.relayed import RelayedManifests, vouched
 from ..errors import NoSyncPath, UsageError, VersionNotFound, WeighthubError
 from ..net.auth import MIN_SECRET_BYTES
 from ..receive import Receiver, Staged
-from ..sources import ChunkSource, SourceList, StoreSource
+from ..sources import ChunkSource, NodeCacheReader, SourceList, StoreSource
 from ..sources.staging import StagingSource
 from ..store import Store, open_store
 from ..targets.safetensors_file import load_checkpoint
@@ -80,7 +80,8 @@ class WeighthubWorker:
 
     _weighthub: tuple[Receiver, EngineTarget]
     _wh_staged: tuple[str | None, Receiver, Staged] | None  # (store_url asked for, by, staged)
-    _wh_sources: tuple[str | None, tuple[str, ...], bytes]  # bind's stage_dir, peers, secret
+    # bind's chunk sources: node_cache, stage_dir, peers, secret
+    _wh_sources: tuple[str | None, str | None, tuple[str, ...], bytes]
     _wh_vote: Vote | None  # the refit prepared by weighthub_prepare, awaiting its decision
 
     # vLLM's Worker provides these; declared for the type checker only
@@ -92,7 +93,7 @@ class WeighthubWorker:
 
     def weighthub_bind(self, store_url: str, version: int | None = None, xor: bool = True,
                        stage_dir: str | None = None, peers: tuple[str, ...] = (),
-                       secret: bytes = b"") -> dict[str, Any]:
+                       secret: bytes = b"", node_cache: str | None = None) -> dict[str, Any]:
         """Adopt `version` of the store as what the engine serves.
 
         The engine must serve exactly that version's bits: at first bind, the safetensors
@@ -104,9 +105,11 @@ class WeighthubWorker:
         on this host (`sources.staging`), so each chunk is fetched from the store once per host.
         `peers`: chunk servers asked before the store (e.g. this host's node daemon, which the
         relay tree feeds), with the group's shared `secret`; one that fails is benched and the
-        store serves instead.
+        store serves instead. `node_cache`: that daemon's relay cache directory, read first and
+        in place (`sources.NodeCacheReader`): a pushed chunk costs a file read, no request.
         """
-        return _rpc(lambda: self._wh_bind(store_url, version, xor, stage_dir, tuple(peers), secret))
+        return _rpc(lambda: self._wh_bind(store_url, version, xor,
+                                          (node_cache, stage_dir, tuple(peers), secret)))
 
     def weighthub_stage(self, version: int | None = None, store_url: str | None = None,
                         manifest: bytes | None = None,
@@ -176,8 +179,9 @@ class WeighthubWorker:
         return _rpc(lambda: self._wh_digests())
 
     # -- implementation -------------------------------------------------------------------------
-    def _wh_bind(self, store_url: str, version: int | None, xor: bool, stage_dir: str | None,
-                 peers: tuple[str, ...], secret: bytes) -> dict[str, Any]:
+    def _wh_bind(self, store_url: str, version: int | None, xor: bool,
+                 chunk_sources: tuple[str | None, str | None, tuple[str, ...], bytes]
+                 ) -> dict[str, Any]:
         store = open_store(store_url)
         bound = getattr(self, "_weighthub", None)
         path = self.vllm_config.model_config.model
@@ -187,10 +191,11 @@ class WeighthubWorker:
         if version is None:
             version = find_version(store, serving, what)
         mirror = StateDictTarget({})
+        _node_cache, _stage_dir, peers, secret = chunk_sources
         if peers and len(secret) < MIN_SECRET_BYTES:
             raise UsageError(f"peers {list(peers)[:3]} need the group's shared secret (at least "
                              f"{MIN_SECRET_BYTES} bytes), got {len(secret)} bytes")
-        self._wh_sources = (stage_dir, peers, secret)
+        self._wh_sources = chunk_sources
         sources = self._wh_sources_for(store)
         Receiver(store, mirror, sources=sources).sync(version)  # fetched and verified by digest
         held = mirror.held()
@@ -298,13 +303,15 @@ class WeighthubWorker:
         return {"seconds": time.perf_counter() - t0, "groups": groups}
 
     def _wh_sources_for(self, store: Store) -> SourceList:
-        """This host's staging cache, then the peers, then `store`."""
-        stage_dir, peers, secret = self._wh_sources
+        """This host's node cache (in place), its staging cache, the peers, then `store`."""
+        node_cache, stage_dir, peers, secret = self._wh_sources
         sources: list[ChunkSource] = [StoreSource(store)]
         if peers:
             sources.insert(0, HolderSource(lambda _ref: peers, secret, name="node daemons"))
         if stage_dir is not None:
             sources.insert(0, StagingSource(stage_dir))
+        if node_cache is not None:
+            sources.insert(0, NodeCacheReader(node_cache))
         return SourceList(sources)
 
     def _wh_held(self) -> dict[str, Any]:

@@ -12,16 +12,18 @@ from .vote import DONE, PREPARED, commit_margin
 
 
 def bind(llm: Any, store_url: str, version: int | None = None, *, xor: bool = True,
-         stage_dir: str | None = None, peers: tuple[str, ...] = (),
-         secret: bytes = b"") -> dict[str, Any]:
+         stage_dir: str | None = None, peers: tuple[str, ...] = (), secret: bytes = b"",
+         node_cache: str | None = None) -> dict[str, Any]:
     """Bind every worker of `llm` (a vllm.LLM) to a store; returns rank 0's result.
-    `stage_dir`, `peers`, `secret`: the chunk sources before the store (`weighthub_bind`).
+    `stage_dir`, `peers`, `secret`, `node_cache`: the chunk sources before the store
+    (`weighthub_bind`).
 
     Raises:
         The weighthub error a worker raised (BaseMismatch, PlacementError, ...).
     """
     return _gather(llm.collective_rpc("weighthub_bind",
-                                      args=(store_url, version, xor, stage_dir, peers, secret)))
+                                      args=(store_url, version, xor, stage_dir, peers, secret,
+                                            node_cache)))
 
 
 def stage(llm: Any, version: int | None = None, *, store_url: str | None = None,

@@ -2,6 +2,8 @@
 
 A receiver needs chunks; many places may have them. In the order a receiver asks them:
 
+    node cache           chunks the relay tree pushed to this host's node daemon, read in
+                         place by the engines beside it (NodeCacheReader)
     host staging cache   chunks another process on this host already fetched (sources.staging)
     pushed/relay cache   chunks a relay parent pushed to this node before it asked (StoreCache)
     holders              peers that hold the version, nearest first (cluster.peers)
@@ -11,7 +13,8 @@ Each is a `ChunkSource`: `get_chunk(ref, timeout=...) -> bytes`, unchecked. `Sou
 them in order and checks every chunk's size and SHA-256 against its manifest exactly once, here;
 a source that misses, times out, refuses or returns other bytes is logged and the next one is
 asked, so a slow or malicious holder costs one timeout and can never inject bits. Verified
-chunks are offered to every source that `keep`s (caches), so this host can serve them in turn.
+chunks are offered to every source that `keep`s (caches), so this host can serve them in turn,
+except those a `host_local` source served: they are on this host already, for every process.
 
 Two optional abilities let a source take part in that loop without checking anything itself:
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -41,6 +45,7 @@ from ..errors import ChecksumError, LimitError, NetError, ObjectNotFound, StoreE
 from ..format import Manifest, chunk_checksum
 from ..format.manifest import CHUNK_CHECKSUM
 from ..store.base import Store
+from ..store.local import LocalStore
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +120,24 @@ class SourceGroup(ChunkSource, Protocol):
     def members(self, ref: ChunkId) -> Sequence[ChunkSource]: ...
 
     def failed(self, member: ChunkSource, exc: Exception) -> None: ...
+
+
+class NodeCacheReader:
+    """The chunk cache of this host's node daemon (its relay cache, a `StoreCache` directory),
+    read in place by the engines beside it: a file read per chunk, no request to the daemon, no
+    lock, no second copy in the host staging cache. Read only: the daemon fills it (a pushed
+    chunk appears whole or not at all: `LocalStore` writes by rename). Its chunks are checked
+    like any source's, so a corrupt file costs a fetch from the next source, never wrong bits.
+    """
+
+    host_local = True  # its chunks are on this host already: SourceList copies them nowhere
+
+    def __init__(self, cache_dir: str | os.PathLike[str]) -> None:
+        self.store = LocalStore(cache_dir, create=False)
+        self.name = f"node cache {self.store.root}"
+
+    def get_chunk(self, ref: ChunkId, *, timeout: float) -> bytes:
+        return self.store.get(ref.key, timeout=timeout, max_bytes=ref.size)
 
 
 class StoreSource:
@@ -234,6 +257,8 @@ class SourceList:
         return source.get_chunk(ref, timeout=timeout)
 
     def _keep(self, ref: ChunkId, data: bytes, *, served_by: ChunkSource) -> None:
+        if getattr(served_by, "host_local", False):
+            return
         for source in self.sources:
             if source is not served_by and isinstance(source, ChunkCache):
                 source.keep(ref, data)

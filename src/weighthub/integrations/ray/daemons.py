@@ -31,6 +31,8 @@ from ...store import LocalStore, open_store
 from ...targets import StateDictTarget
 
 START_TIMEOUT_S = 30.0
+# a node daemon's state directory: the host staging cache its engines share, and its relay cache
+STAGE_SUBDIR, CACHE_SUBDIR = "stage", "cache"
 APPLY_DELAY_S = 0.5  # a node daemon's own apply of a pushed version waits for engines' staging
 
 
@@ -120,7 +122,7 @@ class NodeDaemon:
                  state_dir: str, host: str, *, timeout: float = 10.0, poll_s: float = 1.0,
                  nice: int = 10, apply_delay_s: float = APPLY_DELAY_S) -> None:
         root = Path(state_dir)
-        (root / "cache").mkdir(parents=True, exist_ok=True)
+        (root / CACHE_SUBDIR).mkdir(parents=True, exist_ok=True)
         port_file = root / "node.port"
         config = NodeConfig(node_id=node_id, labels=labels, timeout=timeout, poll_s=poll_s,
                             host=host, port=_saved_port(port_file), nice=nice)
@@ -128,7 +130,7 @@ class NodeDaemon:
         self._lock = threading.Lock()
         self.node = _EnginesFirst(open_store(store_url), StateDictTarget({}), secret, config,
                                   hub=HubClient(hub, secret, timeout=timeout, labels=labels),
-                                  cache=LocalStore(root / "cache"), on_event=self._event,
+                                  cache=LocalStore(root / CACHE_SUBDIR), on_event=self._event,
                                   apply_delay_s=apply_delay_s)
         self.node.start()
         port_file.write_text(self.node.server.address.rpartition(":")[2])

@@ -56,14 +56,16 @@ class RolloutEngine:
 
     def weighthub_attach(self, spec: SyncSpec, version: int | None = None) -> dict[str, Any]:
         """Bind the engine (serving `version`, default found by digest) to the group's store;
-        chunks come from this Ray node's staging cache, then its daemon, then the store."""
+        chunks come from this Ray node daemon's relay cache (read in place), its staging cache,
+        the daemon itself, then the store."""
         import ray
 
         node_id = ray.get_runtime_context().get_node_id()
         node = spec.node(node_id)
         with self._wh_lock("_wh_refit_lock"), self._wh_serving():
             bound = bind(self.llm, spec.store_url, version, stage_dir=node.stage_dir,
-                         peers=(node.address,), secret=spec.secret)
+                         node_cache=node.cache_dir or None, peers=(node.address,),
+                         secret=spec.secret)
             self._wh_spec, self._wh_node_id = spec, node_id
         return bound | {"node": node_id, "daemon": node.address}
 

@@ -20,11 +20,13 @@ from ...net.auth import MIN_SECRET_BYTES
 
 @dataclass(frozen=True, slots=True)
 class NodeSpec:
-    """One Ray node's daemon: where it listens, its labels, its host staging directory."""
+    """One Ray node's daemon: where it listens, its labels, its host staging directory, and its
+    relay cache (engines on the node read pushed chunks there in place; "" for none)."""
 
     address: str
     labels: Labels
     stage_dir: str
+    cache_dir: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +62,8 @@ class SyncSpec:
         return json.dumps({"name": self.name, "store_url": self.store_url, "hub": self.hub,
                            "secret": self.secret.hex(),
                            "nodes": {k: {"address": n.address, "labels": n.labels.to_dict(),
-                                         "stage_dir": n.stage_dir} for k, n in self.nodes.items()}},
+                                         "stage_dir": n.stage_dir, "cache_dir": n.cache_dir}
+                                     for k, n in self.nodes.items()}},
                           indent=1, sort_keys=True)
 
     @classmethod
@@ -68,7 +71,8 @@ class SyncSpec:
         try:
             doc: Any = json.loads(text)
             nodes = {str(k): NodeSpec(str(n["address"]), Labels.from_dict(n["labels"], where=where),
-                                      str(n["stage_dir"])) for k, n in doc["nodes"].items()}
+                                      str(n["stage_dir"]), str(n.get("cache_dir", "")))
+                     for k, n in doc["nodes"].items()}
             return cls(str(doc["name"]), str(doc["store_url"]), str(doc["hub"]),
                        bytes.fromhex(doc["secret"]), nodes)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:

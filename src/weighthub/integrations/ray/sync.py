@@ -8,8 +8,9 @@ The hub runs on the driver's Ray node; one node daemon runs on every Ray node (n
 not soft), labelled from the Ray node's labels (`region`, `zone`; the host is the Ray node id,
 so engines on one node share its staging cache and daemon). Daemons are restarted by Ray
 (`max_restarts`) at the same address with their state (`daemons`). Engines read each chunk from
-their node's staging cache, then its daemon (fed by the relay tree, which crosses each region
-once), then the store; the publisher pushes down the hub's relay tree while it encodes.
+their node daemon's relay cache in place (the relay tree, which crosses each region once, pushed
+it there), then their node's staging cache, then its daemon, then the store; the publisher
+pushes down the hub's relay tree while it encodes.
 
 A trainer outside Ray (torchrun): `WeightSync.create(...).save_spec(path)` on the driver, then
 `WeightSync.connect(path).publisher()` on the trainer: only the store, the hub's address and the
@@ -34,7 +35,7 @@ from ...errors import PeerTimeout, UsageError
 from ...publish import ShardedPublisher
 from ...publish.options import PublishOptions
 from ...store import open_store
-from .daemons import HubDaemon, NodeDaemon
+from .daemons import CACHE_SUBDIR, STAGE_SUBDIR, HubDaemon, NodeDaemon
 from .ranks import RankPublisher
 from .spec import NodeSpec, SyncSpec
 
@@ -127,12 +128,13 @@ class WeightSync:
                             f"{o['name']}-node-{node_id[:16]}").remote(
                 self.spec.store_url, self.spec.hub, self.spec.secret, node_id, labels, state,
                 o["host"] or n["NodeManagerAddress"], timeout=o["timeout"])
-            started[node_id] = (handle, labels, os.path.join(state, "stage"))
+            started[node_id] = (handle, labels, state)
         addresses = ray.get([h.address.remote() for h, _, _ in started.values()],
                             timeout=DEFAULT_TIMEOUT_S)
         nodes = dict(self.spec.nodes)
-        for (node_id, (handle, labels, stage)), address in zip(started.items(), addresses, strict=True):
-            nodes[node_id] = NodeSpec(address, labels, stage)
+        for (node_id, (handle, labels, state)), address in zip(started.items(), addresses, strict=True):
+            nodes[node_id] = NodeSpec(address, labels, os.path.join(state, STAGE_SUBDIR),
+                                      os.path.join(state, CACHE_SUBDIR))
             self._nodes[node_id] = handle
         self.spec = SyncSpec(self.spec.name, self.spec.store_url, self.spec.hub, self.spec.secret,
                              nodes)
