@@ -160,8 +160,8 @@ class NodeDaemon:
     def wait_available(self, version: int, timeout: float) -> dict[str, Any]:
         """Block until engines on this node can stage `version` (or a newer one) from it: the
         node holds it, or its relay parent pushed the version whole (the manifest the hub
-        vouched for and every chunk it names: `relayed_chunks`, `all_relayed`). Engines then need not wait for
-        the node's own apply into its host copy. {"held": its held version or None,
+        vouched for, `relayed_manifest`, and every chunk it names, `all_relayed`). Engines then
+        need not wait for the node's own apply into its host copy. {"held": its held version or None,
         "relayed": whether the pushed chunks answered, "manifest": the relayed manifest of
         `version` (bytes) or None, "manifest_sha256": the digest the hub recorded for it}: an
         engine plans and stages from that manifest instead of reading the store's (one listing
