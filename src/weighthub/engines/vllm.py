@@ -191,7 +191,7 @@ class WeighthubWorker:
         if version is None:
             version = find_version(store, serving, what)
         mirror = StateDictTarget({})
-        _node_cache, _stage_dir, peers, secret = chunk_sources
+        peers, secret = chunk_sources[2:]
         if peers and len(secret) < MIN_SECRET_BYTES:
             raise UsageError(f"peers {list(peers)[:3]} need the group's shared secret (at least "
                              f"{MIN_SECRET_BYTES} bytes), got {len(secret)} bytes")
