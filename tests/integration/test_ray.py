@@ -59,7 +59,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     # distributions, which no weight change can move): the drift check then has something to see
     config = RLConfig(model=CONFIG | {"initializer_range": 0.3}, store_url=str(root / "store"),
                       work_dir=str(root), steps=2, engines=2, prompts=4, samples=2, max_tokens=8,
-                      lr=1e-4, seed=0)
+                      lr=1e-4, seed=0, early_decode=True)
     with local_cluster(2, cpus_per_node=2, object_store_bytes=256 << 20):
         sync = WeightSync.create(config.store_url, host="127.0.0.1", work_dir=str(root / "daemons"))
         loop = GRPOLoop(config, sync)
@@ -125,6 +125,9 @@ def test_grpo_steps_refit_every_engine_bit_exact(run: dict[str, Any]) -> None:
         assert 0 < row["publish_stream_s"] <= row["publish_s"]
         assert row["baseline_bytes"] == 2 * row["dense_bytes"]  # the object-store route moves everything
         assert 0 < row["engine_bytes"] < row["baseline_bytes"]
+    # told to stage before the update, the engines decoded chunks as they were pushed to their
+    # node, before the commit, and staging took them (each engine ended bit-exact: below)
+    assert sum(e["early_chunks"] for row in rows for e in row["per_engine"]) > 0, rows
     _assert_engines_at(run, rows[-1]["version"])
     held = run["sync"].wait_nodes(rows[-1]["version"], timeout=30)
     assert {h["version"] for h in held.values()} == {rows[-1]["version"]}

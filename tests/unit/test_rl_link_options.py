@@ -24,12 +24,13 @@ def _demo_args(*extra: str):  # type: ignore[no-untyped-def]
 def test_the_driver_gets_every_option_of_the_run() -> None:
     args = _demo_args("--steps", "3", "--engines", "3", "--prompts", "6", "--samples", "3",
                       "--max-tokens", "12", "--lr", "3e-06", "--lag", "1", "--encode", "compact",
-                      "--seed", "7", "--no-baseline", "--plain-cpu-weights", "--link-mbit", "200")
+                      "--seed", "7", "--no-baseline", "--early-decode", "--plain-cpu-weights",
+                      "--link-mbit", "200")
     argv = _driver_argv(args, "10.213.0.1:6379", "s3://policy/rl", "wh0a", Path("/tmp/x.json"))
     assert argv[1:3] == ["-m", "weighthub.cli"]
     inner = build_parser().parse_args(argv[3:])
     for key in ("steps", "engines", "prompts", "samples", "max_tokens", "lr", "lag", "encode",
-                "seed", "no_baseline", "plain_cpu_weights", "rl"):
+                "seed", "no_baseline", "early_decode", "plain_cpu_weights", "rl"):
         assert getattr(inner, key) == getattr(args, key), key
     assert (inner.address, inner.store, inner.rollout_nodes, inner.link_dev, inner.json,
             inner.link_mbit, inner.nodes) == ("10.213.0.1:6379", "s3://policy/rl", "others", "wh0a",

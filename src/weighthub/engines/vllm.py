@@ -62,11 +62,11 @@ from ..targets.safetensors_file import load_checkpoint
 from ..targets.state_dict import StateDictTarget
 from ..targets.vllm_engine import EnginePlacement, PushReport
 from .vllm_checks import check_same_bits, digests_of, find_version
-from .vllm_driver import bind, refit, stage
+from .vllm_driver import bind, decode_early, refit, stage
 from .vllm_target import EngineTarget
 from .vote import FAILED, Vote
 
-__all__ = ["EXTENSION", "WeighthubWorker", "bind", "refit", "stage"]
+__all__ = ["EXTENSION", "WeighthubWorker", "bind", "decode_early", "refit", "stage"]
 
 EXTENSION = "weighthub.engines.vllm.WeighthubWorker"
 
@@ -125,6 +125,14 @@ class WeighthubWorker:
         still checked against it). Otherwise the store plans, as without it.
         `relayed_manifest` in the result says which."""
         return _rpc(lambda: self._wh_stage(version, store_url, manifest, manifest_sha256))
+
+    def weighthub_decode_early(self, version: int) -> dict[str, Any]:
+        """Decode `version`'s chunks as they land in this host's node cache, before it is
+        committed, for the next `weighthub_stage` of it (`Receiver.decode_early`)."""
+        def start() -> dict[str, Any]:
+            receiver, node_cache = self._wh_bound()[0], self._wh_sources[0]
+            return {"started": node_cache is not None and receiver.decode_early(version, node_cache)}
+        return _rpc(start)
 
     def weighthub_refit(self, version: int | None = None,
                         store_url: str | None = None) -> dict[str, Any]:
@@ -240,7 +248,7 @@ class WeighthubWorker:
         return {"version": staged.version, "from_version": staged.from_version,
                 "route": list(staged.route), "bytes_fetched": staged.bytes_fetched,
                 "stage_s": staged.stage_seconds, "served": dict(receiver.sources.served),
-                "relayed_manifest": relayed}
+                "relayed_manifest": relayed, "early_chunks": receiver.early_used}
 
     def _wh_refit(self, version: int | None, store_url: str | None) -> dict[str, Any]:
         pending, self._wh_staged = getattr(self, "_wh_staged", None), None

@@ -37,6 +37,14 @@ def stage(llm: Any, version: int | None = None, *, store_url: str | None = None,
                                       args=(version, store_url, manifest, manifest_sha256)))
 
 
+def decode_early(llm: Any, version: int) -> dict[str, Any]:
+    """Have every worker of `llm` decode `version`'s chunks as they land in its host's node
+    cache (`bind(..., node_cache=)`), before the version is committed; the next `stage` of
+    `version` takes what they decoded (`Receiver.decode_early`). Returns rank 0's
+    {"started": bool}: False without a node cache or a delta to expect."""
+    return _gather(llm.collective_rpc("weighthub_decode_early", args=(version,)))
+
+
 def refit(llm: Any, version: int | None = None, *, store_url: str | None = None,
           vote_timeout_s: float = 60.0) -> dict[str, Any]:
     """Bring every worker of `llm` to `version` (default: latest; or the staged version, if

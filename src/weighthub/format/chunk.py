@@ -195,6 +195,14 @@ def _check_record(op: Op, positions: Positions, values: Values, n: int, count: i
         raise FormatError(f"{where}: bitmap of {plen} bytes for {n} elements")
 
 
+def declared_body(buf: bytes | memoryview) -> int:
+    """The decompressed body size a frame's header declares (0 for a buffer too short to
+    hold a header: `decode_chunk` says what is wrong with it)."""
+    if len(buf) < _HEADER.size:
+        return 0
+    return int(_HEADER.unpack_from(buf, 0)[5])
+
+
 def decode_chunk(buf: bytes | memoryview, *, where: str, max_body: int = MAX_BODY_BYTES) -> ChunkFrame:
     """Parse and validate a chunk frame. Raises FormatError subclasses naming `where`.
 

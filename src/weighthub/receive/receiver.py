@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from .. import catalog
@@ -21,6 +22,7 @@ from ..sources import SourceList
 from ..store import Store
 from ..targets.base import Held, Target
 from ..tensors import TensorSpec, check_same_model
+from .early import EarlyChunks, EarlyDecoder
 from .engine import transact
 from .inputs import Step
 from .routes import held_digests, read_route
@@ -128,6 +130,8 @@ class Receiver:
         self.lock = threading.Lock()  # held while the target's bits are changing
         self._sync_lock = threading.Lock()  # one sync at a time: staging reads the held bits
         self._committed: tuple[str, dict[str, bytes]] | None = None  # (root, digests) last commit
+        self._early: EarlyDecoder | None = None
+        self.early_used = 0  # chunks the last staging took decoded from `decode_early`
 
     @property
     def version(self) -> int | None:
@@ -168,6 +172,31 @@ class Receiver:
         with self._sync_lock:
             return self._stage_version(version)
 
+    def decode_early(self, version: int, directory: str | Path) -> bool:
+        """Start decoding `version`'s chunks as they appear in `directory` (a LocalStore filled
+        by rename, e.g. this host's node daemon's relay cache), before its manifest exists:
+        a delta from the held version, against the held bits (`receive.early`). The next
+        staging of `version` takes what was decoded (after every check it makes) and stops
+        it; any other staging or apply stops it first. False (nothing started) when the
+        target holds nothing or nothing older than `version`."""
+        with self._sync_lock:
+            self._stop_early()
+            held = self.target.held()
+            if held is None or held.version >= version:
+                return False
+            specs = catalog.primary_manifest(self.store, held.version).specs()
+            self._early = EarlyDecoder(Path(directory), version, held, specs, self.target.peek(),
+                                       incremental=self.verify == "incremental")
+            return True
+
+    def _stop_early(self, version: int | None = None) -> EarlyChunks | None:
+        """Stop the early decoder; what it decoded if it was decoding `version`."""
+        early, self._early = self._early, None
+        if early is None:
+            return None
+        chunks = early.stop()
+        return chunks if early.version == version else None
+
     def apply(self, staged: Staged) -> SyncResult:
         """Bring the target to a staged version: apply, verify, commit (the pause); on any
         failure roll back to the version held before and raise.
@@ -186,6 +215,8 @@ class Receiver:
             version = catalog.latest_version(self.store)
             if version is None:
                 raise ObjectNotFound(f"store {self.store.url} holds no committed version yet")
+        early = self._stop_early(version)
+        self.early_used = 0
         held = self.target.held()
         if held is not None and held.version == version:
             return Staged(version, held, self.store.url, (), 0, time.perf_counter() - t0,
@@ -194,7 +225,8 @@ class Receiver:
         manifests = read_route(self.store, route)
         steps = stage_route(route, manifests, self.sources, self.target, held,
                             where=self.store.url, incremental=self.verify == "incremental",
-                            workers=self.workers)
+                            workers=self.workers, early=early)
+        self.early_used = early.used if early is not None else 0
         first = steps[0].manifest
         # the held version's digests, when the first step (a delta) is verified incrementally;
         # verify_base's full pass in the pause provides them otherwise
@@ -210,6 +242,7 @@ class Receiver:
                       digests, specs, current)
 
     def _apply_staged(self, staged: Staged) -> SyncResult:
+        self._stop_early()  # it reads the bits this changes
         if staged.store != self.store.url:
             raise UsageError(f"version {staged.version} was staged from {staged.store}, but this "
                              f"receiver reads {self.store.url}: apply it with the receiver that "

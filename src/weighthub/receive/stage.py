@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -34,7 +36,7 @@ from ..codec.digest import staged_old_digest
 from ..codec.prepared import PreparedSegment, prepare_segment
 from ..errors import FormatError, ObjectNotFound
 from ..format import ChunkFrame, ChunkRef, Manifest, decode_chunk
-from ..format.chunk import body_bound
+from ..format.chunk import body_bound, declared_body
 from ..layout import ShardBox, segment_outside
 from ..sources import ChunkId, SourceList
 from ..targets.base import Held, Target
@@ -45,8 +47,12 @@ from .inputs import Chunk, Step
 
 def stage_route(route: list[catalog.Rep], manifests: list[tuple[Manifest, Manifest]],
                 sources: SourceList, target: Target, held: Held | None, *, where: str,
-                incremental: bool, workers: int) -> list[Step]:
+                incremental: bool, workers: int, early: EarlyDecodings | None = None) -> list[Step]:
     """Fetch, check and decode every chunk of `route` (manifests: from `routes.read_route`).
+
+    `early`: decodings of the first step's chunks made before its manifest existed
+    (`receive.early`); a chunk the sources serve with a digest found there is checked against
+    the manifest as any other and takes its decoding from there instead of decoding it again.
 
     Raises:
         ObjectNotFound (a chunk is gone: retry to re-plan), ChecksumError, FormatError.
@@ -61,28 +67,25 @@ def stage_route(route: list[catalog.Rep], manifests: list[tuple[Manifest, Manife
     base_bits = target.peek() if held is not None and first_from == held.root else {}
     first_specs = first.specs()
     widths = [[dtype_named(t.dtype).width for t in m.tensors] for m, _e in manifests]
+    if route[0].inverse or (early is not None and not early.fits(held, first_specs, incremental)):
+        early = None  # decoded against other bits, another tensor table or another check
 
     def fetch(job: tuple[int, int]) -> Chunk:
         m = manifests[job[0]][0]
         ref = m.chunks[job[1]]
         name = f"chunk {where}/{ref.key}"
         blob = sources.fetch(ChunkId.of(m, route[job[0]].key, job[1]))
-        frame = decode_chunk(blob, where=name, max_body=chunk_body_bound(ref, m, widths[job[0]]))
+        bound = chunk_body_bound(ref, m, widths[job[0]])
+        hit = early.get(ref.checksum) if early is not None and job[0] == 0 else None
+        if hit is not None and declared_body(blob) <= bound:  # the same bytes, decoded already
+            check_segments(hit.frame, ref, m, name)
+            return Chunk(*hit.chunk_parts(ref))
+        frame = decode_chunk(blob, where=name, max_body=bound)
         check_segments(frame, ref, m, name, inverse=route[job[0]].inverse)
         if job[0] != 0 or not base_bits:
             return Chunk(frame, ref)
-        # tensors held on a device: decoded for it now (grouped and ctx positions against the
-        # words it holds), so the pause only copies compact arrays up and applies
-        decoded = [device_decoded(seg, first_specs, base_bits, name) for seg in frame.segments]
-        frame = ChunkFrame(tuple(regap(seg, first_specs, base_bits, name)
-                                 for seg in frame.segments))
-        prepared = [None if route[0].inverse else prepare(seg, first_specs, base_bits, name)
-                    for seg in frame.segments]
-        olds = ([None if prep is not None else old_digest(seg, first_specs, base_bits, name)
-                 for seg, prep in zip(frame.segments, prepared, strict=True)]
-                if incremental else None)
-        return Chunk(frame, ref, olds, decoded if any(decoded) else None,
-                     prepared if any(p is not None for p in prepared) else None)
+        return Chunk(*decode_first(frame, first_specs, base_bits, name, inverse=route[0].inverse,
+                                   incremental=incremental).chunk_parts(ref))
 
     try:
         with ThreadPoolExecutor(workers) as pool:
@@ -95,6 +98,48 @@ def stage_route(route: list[catalog.Rep], manifests: list[tuple[Manifest, Manife
     for r, (m, expect) in zip(route, manifests, strict=True):
         steps.append(Step(m, [next(it) for _ in m.chunks], r.inverse, expect))
     return steps
+
+
+@dataclass(frozen=True, slots=True)
+class FirstDecoding:
+    """A chunk of a route's first step decoded against the held bits (`decode_first`):
+    `frame` as parsed (what `check_segments` checks), the fields of its `Chunk` besides."""
+
+    frame: ChunkFrame
+    regapped: ChunkFrame
+    olds: list[bytes | None] | None
+    decoded: list[DeviceSegment | None] | None
+    prepared: list[PreparedSegment | None] | None
+
+    def chunk_parts(self, ref: ChunkRef) -> tuple[Any, ...]:
+        """Chunk(*parts): the fields of the staged chunk `ref`."""
+        return self.regapped, ref, self.olds, self.decoded, self.prepared
+
+
+class EarlyDecodings(Protocol):
+    """Decodings made before the manifest existed (`receive.early.EarlyChunks`)."""
+
+    def fits(self, held: Held | None, specs: list[TensorSpec], incremental: bool) -> bool: ...
+
+    def get(self, checksum: str) -> FirstDecoding | None: ...
+
+
+def decode_first(frame: ChunkFrame, specs: list[TensorSpec], base_bits: Mapping[str, Words],
+                 where: str, *, inverse: bool, incremental: bool) -> FirstDecoding:
+    """What staging computes for a chunk of a route's first step from the held bits: its
+    exponent-grouped and ctx positions re-coded against them (`regap`), its words for a host
+    tensor (`prepare`, applied forwards) or a device one (`device_decoded`: the pause only
+    copies compact arrays up and applies), the digest lanes of the words it replaces for the
+    others (`old_digest`, with incremental verification)."""
+    decoded = [device_decoded(seg, specs, base_bits, where) for seg in frame.segments]
+    regapped = ChunkFrame(tuple(regap(seg, specs, base_bits, where) for seg in frame.segments))
+    prepared = [None if inverse else prepare(seg, specs, base_bits, where)
+                for seg in regapped.segments]
+    olds = ([None if prep is not None else old_digest(seg, specs, base_bits, where)
+             for seg, prep in zip(regapped.segments, prepared, strict=True)]
+            if incremental else None)
+    return FirstDecoding(frame, regapped, olds, decoded if any(decoded) else None,
+                         prepared if any(p is not None for p in prepared) else None)
 
 
 def chunk_body_bound(ref: ChunkRef, m: Manifest, width: list[int]) -> int:

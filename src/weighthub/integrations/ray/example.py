@@ -106,6 +106,7 @@ def _in_cluster(args: argparse.Namespace, work: Path) -> int:
                       engines=args.engines, prompts=args.prompts, samples=args.samples,
                       max_tokens=args.max_tokens, lr=args.lr, lag=args.lag, encode=args.encode,
                       seed=args.seed, baseline=not args.no_baseline,
+                      early_decode=args.early_decode,
                       plain_cpu_weights=args.plain_cpu_weights, rollout_nodes=args.rollout_nodes)
     t0 = time.perf_counter()
     if args.address:

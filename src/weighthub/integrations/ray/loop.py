@@ -4,9 +4,13 @@
 
 Per step: the engines generate the step's rollouts (each batch attested), the trainer checks
 the attestations and the drift, updates and publishes; every engine stages the new version in
-the background and refits (paused only to apply). With `lag=1` the engines generate the next
-batch with the previous version while the trainer updates, and stage while they generate
-(the trainer's importance ratios and ledger account for the one version of staleness).
+the background and refits (paused only to apply). With `lag=0` and `early_decode` the engines
+are told to stage the update before the trainer starts it: each decodes the chunks as they are
+pushed to its node, while the trainer is still publishing, and the staging after the commit
+takes them.
+With `lag=1` the engines generate the next batch with the previous version while the trainer
+updates, and stage while they generate (the trainer's importance ratios and ledger account for
+the one version of staleness).
 
 Then, side by side in the same step, the usual route: the trainer's full bf16 state through
 Ray's object store into every engine's vLLM loader (`weighthub_load_state`; the same bits, so
@@ -47,6 +51,10 @@ class RLConfig:
     encode: str = "fast"
     seed: int = 0
     baseline: bool = True
+    # lag 0: the engines told to stage each update before the trainer starts it, decoding its
+    # chunks as they are pushed to their node (`Receiver.decode_early`). Off by default: on
+    # one shared 2-core host it slowed the publish more than it saved (README, "RL on Ray")
+    early_decode: bool = False
     probe: bool = True  # measure generation throughput with and without a staging in flight
     plain_cpu_weights: bool = False  # vLLM CPU without oneDNN packing: refits apply in place
     # "all": engines spread over every Ray node; "others": only over nodes without the trainer
@@ -72,6 +80,8 @@ def _engine_figures(refit: dict[str, Any]) -> dict[str, float]:
     staged = refit["staged"] or {}
     return {"node_wait_s": staged.get("node_wait_s", 0.0),
             "stage_s": staged.get("stage_s", refit["stage_s"]),
+            # chunks decoded while they were being published (before the commit)
+            "early_chunks": staged.get("early_chunks", 0),
             "turn_wait_s": refit["turn_wait_s"], "serve_wait_s": refit["serve_wait_s"],
             "pause_s": refit["pause_s"]}
 
@@ -209,6 +219,10 @@ class GRPOLoop:
             if c.lag == 1 and step + 1 < last:  # the next batch while the trainer updates
                 pending = self.generate(step + 1)
             wire_before = self._wire()
+            if c.lag == 0 and c.early_decode:  # each waits for the update, decoding its chunks
+                upcoming = (self.steps[-1]["version"] if self.steps else self.initial["version"]) + 1
+                for e in self.engines:
+                    e.weighthub_stage.remote(upcoming, early=True)
             trained = ray.get(self.trainer.step.remote(prompts, batches))
             published_at = time.perf_counter()
             version = trained["version"]

@@ -21,6 +21,11 @@ def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     p.add_argument("--encode", choices=["fast", "compact", "grouped"], default="fast",
                    help="the publisher's encode profile (default fast: loopback links)")
     p.add_argument("--no-baseline", action="store_true", help="skip the object-store route")
+    p.add_argument("--early-decode", action="store_true",
+                   help="with --lag 0, tell the engines to stage each update before the trainer "
+                        "starts it: they decode its chunks as they are pushed to their node, "
+                        "during the publish (pays where the trainer has cores of its own; on one "
+                        "shared host it slows the publish more than it saves)")
     p.add_argument("--plain-cpu-weights", action="store_true",
                    help="vLLM CPU keeps linear weights plain (no oneDNN packing), so refits apply "
                         "in place in the engines' memory instead of reloading through vLLM's "

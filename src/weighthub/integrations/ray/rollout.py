@@ -24,9 +24,9 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ...engines.vllm import EXTENSION, bind, refit, stage
+from ...engines.vllm import EXTENSION, bind, decode_early, refit, stage
 from ...engines.vllm_plugin import keep_cpu_weights_plain
-from ...errors import AttestationError, UsageError
+from ...errors import AttestationError, UsageError, WeighthubError
 from .attest import Attestation
 from .pauses import pause_turn
 from .spec import SyncSpec
@@ -69,16 +69,17 @@ class RolloutEngine:
             self._wh_spec, self._wh_node_id = spec, node_id
         return bound | {"node": node_id, "daemon": node.address}
 
-    def weighthub_stage(self, version: int, *, wait_node: bool = True) -> None:
+    def weighthub_stage(self, version: int, *, wait_node: bool = True, early: bool = False) -> None:
         """Start staging `version` on a thread of its own and return at once (generate
-        meanwhile); the next `weighthub_refit` of that version applies it."""
+        meanwhile); the next `weighthub_refit` of that version applies it. `early`: `version`
+        is not published yet; decode its chunks as they are pushed to this node meanwhile."""
         spec = self._wh_bound()
         with self._wh_lock("_wh_refit_lock"):
             self._wh_join()  # one staging at a time; a failed one is forgotten here
 
             def run() -> None:
                 try:
-                    self._wh_staged = self._wh_stage_now(spec, version, wait_node)
+                    self._wh_staged = self._wh_stage_now(spec, version, wait_node, early)
                 except BaseException as exc:  # reported by weighthub_refit
                     self._wh_stage_error = exc
 
@@ -117,11 +118,18 @@ class RolloutEngine:
                          "in_turn": turn.held, "serve_wait_s": t2 - t1 - turn.wait_s,
                          "staged": staged, "stage_error": None if error is None else repr(error)}
 
-    def _wh_stage_now(self, spec: SyncSpec, version: int | None, wait_node: bool) -> dict[str, Any]:
+    def _wh_stage_now(self, spec: SyncSpec, version: int | None, wait_node: bool,
+                      early: bool = False) -> dict[str, Any]:
         t0 = time.perf_counter()
         served: dict[str, Any] = {}
         if wait_node and version is not None:
             import ray
+            # while the daemon waits for the version, decode its chunks as they are pushed here
+            # (staging takes them once the commit vouches for them); a failure to start is no
+            # failure of the staging, which decodes them itself
+            if early:
+                with contextlib.suppress(WeighthubError):
+                    decode_early(self.llm, version)
             daemon = ray.get_actor(f"{spec.name}-node-{self._wh_node_id[:16]}")
             # the daemon's chunks as soon as they were pushed to it whole, or once it holds
             # the version: not after its own apply into its host copy

@@ -149,6 +149,8 @@ def _driver_argv(args: argparse.Namespace, head: str, store: str, dev: str,
             "--encode", args.encode, "--seed", str(args.seed)]
     if args.no_baseline:
         argv.append("--no-baseline")
+    if args.early_decode:
+        argv.append("--early-decode")
     if args.plain_cpu_weights:
         argv.append("--plain-cpu-weights")
     return argv
