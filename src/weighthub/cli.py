@@ -92,8 +92,9 @@ def cmd_publish(args: argparse.Namespace) -> int:
         _emit(args, doc, line)
         return _fail(f"version {r.version} is committed in {store.url}, but hub {hub.address} did not "
                      f"take the announcement ({type(exc).__name__}: {exc}); the commit stands (publishing "
-                     "again makes a new version): nodes following the hub get the next announced "
-                     "one, and read the store while the hub is down", EXIT_NOT_ANNOUNCED)
+                     "again makes a new version): nodes read the store's listing while the hub is "
+                     "down, and when it names an older version for their --store-check period",
+                     EXIT_NOT_ANNOUNCED)
     doc["hub"] = {"address": hub.address, "announced": True}
     _emit(args, doc, f"{line}; announced to hub {hub.address}")
     return EXIT_OK

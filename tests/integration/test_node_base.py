@@ -287,6 +287,12 @@ def test_a_niced_node_applies_at_its_nice_value_and_serves_at_the_process_priori
         NodeConfig("bad", nice=20)
 
 
+def test_a_node_refuses_a_store_check_period_out_of_range() -> None:
+    for bad in (-1.0, 1e6):
+        with pytest.raises(UsageError, match=r"--store-check must be in \[0, 86400\] seconds"):
+            NodeConfig("bad", store_check_s=bad)
+
+
 class _HidesNewest:
     """The store as a node sees it, its newest version hidden until `show` (published meanwhile)."""
 

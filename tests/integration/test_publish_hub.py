@@ -204,6 +204,54 @@ def test_a_node_following_a_hub_that_knows_no_version_warns_nothing(
     assert node.stderr[:-1] == [], "".join(node.stderr)
 
 
+def test_a_node_whose_hub_missed_an_announcement_follows_the_store(
+        tmp_path: Path, secret_file: Path, hub: HubProcess, ckpts: list[Path]) -> None:
+    # A version committed while the hub was down or restarting (here: published without --hub)
+    # leaves the hub naming the version before. The node reads the store's listing once the hub
+    # has said the same version for --store-check seconds, rather than wait for the next publish.
+    store = tmp_path / "store"
+    node = NodeProcess.start(store, tmp_path / "n1" / "model.safetensors", secret_file,
+                             hub=hub.address, node_id="n1", extra=("--store-check", "1"))
+    try:
+        node.listening()
+        assert publish(store, ckpts[0], "--hub", hub.address, "--secret-file", secret_file) == 0
+        node.synced(0, SYNC_S)
+        assert publish(store, ckpts[1]) == 0  # the hub never hears of version 1
+        assert node.synced(1, SYNC_S)["how"] == "delta"
+        assert same_bits(read_bits(node.out), read_bits(ckpts[1]))
+        wait_stderr(node, "the hub missed its announcement", SYNC_S)
+    finally:
+        node.stop()
+
+
+def test_a_net_publisher_announces_again_when_its_hub_comes_back(
+        tmp_path: Path, secret_file: Path, secret: bytes) -> None:
+    states = [make_state(0, tensors=3, numel=1 << 16)]
+    states.append(step(states[0], 1))
+    store = LocalStore(tmp_path / "store")
+    hub = HubProcess.start(tmp_path / "hub.db", secret_file, lease_ttl=3.0)  # a beat a second
+    net = NetPublisher(store, secret, hub=HubClient(hub.address, secret, timeout=2.0)).start()
+    try:
+        assert net.publish(states[0]).announced
+        port = int(hub.address.rpartition(":")[2])
+        hub.kill()
+        r = net.publish(states[1])
+        assert (r.version, r.announced) == (1, False)  # committed all the same
+        hub = HubProcess.start(tmp_path / "hub.db", secret_file, lease_ttl=3.0, port=port)
+        client = HubClient(hub.address, secret, timeout=5.0)
+        deadline = time.monotonic() + SYNC_S
+        while client.latest() != 1:  # the publisher's next heartbeat re-announces version 1
+            assert time.monotonic() < deadline, f"the hub still names {client.latest()}"
+            time.sleep(0.1)
+        record = client.latest_record()
+        assert record is not None and record["publisher"] == net.id
+        raw = store.get(catalog.rep_key(1, None, primary=True))
+        assert record["manifest_sha256"] == hashlib.sha256(raw).hexdigest()
+    finally:
+        net.close()
+        hub.kill()
+
+
 def test_net_publisher_result_is_a_publish_result(tmp_path: Path, secret: bytes) -> None:
     states = [make_state(0, tensors=3, numel=1 << 16)]
     states.append(step(states[0], 1))

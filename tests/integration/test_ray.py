@@ -225,12 +225,32 @@ def test_killed_rollout_actors_come_back(run: dict[str, Any]) -> None:
     _assert_engines_at(run, _newest(run))
 
 
+def _pid(ray: Any, actor: Any, timeout: float) -> int:
+    return int(ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()), timeout=timeout))
+
+
+def _until_restarted(ray: Any, actors: dict[Any, int], timeout: float = 60.0) -> None:
+    """Until each actor answers from a process other than its pid before the kill."""
+    deadline = time.monotonic() + timeout
+    for actor, before in actors.items():
+        while True:
+            try:
+                if _pid(ray, actor, timeout=10) != before:
+                    break
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass
+            assert time.monotonic() < deadline, f"actor {actor} not restarted {timeout:g} s after ray.kill"
+            time.sleep(0.2)
+
+
 def test_killed_node_daemon_and_hub_come_back(run: dict[str, Any]) -> None:
     loop, ray, sync = run["loop"], run["ray"], run["sync"]
     node = sorted(sync.spec.nodes)[1]
     address = sync.spec.nodes[node].address
-    ray.kill(sync.node_daemon(node), no_restart=False)  # Ray restarts it (max_restarts=-1)
-    ray.kill(sync.hub_actor, no_restart=False)
+    killed = {a: _pid(ray, a, timeout=30) for a in (sync.node_daemon(node), sync.hub_actor)}
+    for actor in killed:
+        ray.kill(actor, no_restart=False)  # Ray restarts it (max_restarts=-1)
+    _until_restarted(ray, killed)  # the kill is asynchronous: a call right after may still land
     back = sync.wait_daemons(timeout=60)  # restarted at the addresses they had
     assert back[node] == address and back["hub"] == sync.spec.hub
     loop.run(1)  # the publish reaches the hub again; the restarted daemon re-joins

@@ -98,6 +98,7 @@ class HubClient:
         self.lease_ttl: float | None = None
         self.last_error: WeighthubError | None = None
         self.on_release: Callable[[list[int]], None] | None = None
+        self.on_beat: Callable[[], object] | None = None  # after each heartbeat the hub answered
 
     # -- transport ---------------------------------------------------------------------------
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
@@ -191,6 +192,9 @@ class HubClient:
                     if self.last_error is None:
                         log.warning("hub heartbeat failed (%s); retrying every %.1fs", exc, period)
                     self.last_error = exc
+                    continue
+                if self.on_beat is not None:
+                    self.on_beat()
         self._stop.clear()
         self._thread = threading.Thread(target=beat, name=f"hub-heartbeat-{self.address}", daemon=True)
         self._thread.start()

@@ -10,9 +10,10 @@ latest committed version, and one ChunkServer that makes it a source for others:
     follow     a relayed manifest (pushed down the relay tree after the commit) wakes the node
                at once; else it polls the hub's latest version every `poll_s`, or the store's
                listing when the hub does not answer or knows no version yet (a normal state:
-               publish every version with `--hub`). A relayed manifest is used only if it
-               hashes to the SHA-256 the hub recorded: then a one-step refit reads nothing
-               from the store (`RelayedManifests.trusted_route`)
+               publish every version with `--hub`), or has named the same version for
+               `store_check_s` (it may have missed an announcement: `latest`). A relayed
+               manifest is used only if it hashes to the SHA-256 the hub recorded: then a
+               one-step refit reads nothing from the store (`RelayedManifests.trusted_route`)
     guard      before every apply and poll the target's files are stat'ed against the node's
                last commit; every `full_check_versions` versions / `full_check_s` seconds (and
                first after a start) all its bits are digested against the held root
@@ -47,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import catalog
-from ..errors import BaseMismatch, NetError, NoSyncPath, UsageError, VersionNotFound, WeighthubError
+from ..errors import BaseMismatch, NoSyncPath, UsageError, VersionNotFound, WeighthubError
 from ..net.client import Timeouts
 from ..net.server import ChunkServer, key_version
 from ..receive import Receiver, SyncResult
@@ -57,6 +58,7 @@ from ..targets.base import Target
 from .baseguard import BaseGuard, rematerializing
 from .hubclient import HubClient
 from .join import join_from_holders
+from .latest import LatestVersion
 from .leases import LeasedTarget, ReadLeases
 from .peers import HolderSource
 from .relayed import RelayedManifests, relayed_manifest
@@ -74,6 +76,8 @@ class NodeConfig:
     labels: Labels = field(default_factory=Labels)
     timeout: float = 10.0
     poll_s: float = 2.0  # fallback: a relayed manifest wakes the node at once
+    # the store's listing is read too when the hub repeats one latest version this long (0: never)
+    store_check_s: float = 30.0
     stripes: int = 4  # holders (and parallel reads) an elastic join stripes across
     host: str = "127.0.0.1"
     port: int = 0
@@ -91,6 +95,9 @@ class NodeConfig:
         if not 0 < self.timeout <= 3600 or not 0 < self.poll_s <= 3600:
             raise UsageError(f"--timeout and --poll must be in (0, 3600] seconds, got "
                              f"{self.timeout}, {self.poll_s}")
+        if not 0 <= self.store_check_s <= 86400:
+            raise UsageError(f"--store-check must be in [0, 86400] seconds (0: never while the hub "
+                             f"answers), got {self.store_check_s}")
         if not 1 <= self.stripes <= 64:
             raise UsageError(f"--fanout (join stripes) must be in 1..64, got {self.stripes}")
         if not 0 <= self.full_check_versions <= 1_000_000 or not 0 <= self.full_check_s <= 1e7:
@@ -146,9 +153,9 @@ class Node:
         self.pushed = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._hub_down_until = 0.0
         self._wake = threading.Event()  # set by a relayed manifest
-        self.digests: dict[int, str] = {}  # version -> manifest SHA-256 the hub recorded
+        self.latest = LatestVersion(hub, backing, timeout=config.timeout,
+                                    store_check_s=config.store_check_s, where=f"node {config.node_id}")
         self._told: tuple[list[int], list[int]] | None = None  # (versions, serving) last told
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -217,7 +224,7 @@ class Node:
     def _step(self) -> bool:
         """Check the held bits, learn the latest version, sync to it. False: retry soon."""
         try:
-            latest = self._latest()
+            latest = self.latest.latest()
             self._check_base()
             held = self.target.held()
         except WeighthubError as exc:
@@ -228,19 +235,10 @@ class Node:
             return True
         return self.sync_to(latest)  # False: retried at the next poll
 
-    def _latest(self) -> int | None:
-        """The hub's latest version (and its manifest digest); the store's when the hub fails."""
-        if self._hub_up():
-            try:
-                record = self.hub.latest_record()  # type: ignore[union-attr]
-                if record is not None:
-                    version = int(record["version"])
-                    if isinstance(record.get("manifest_sha256"), str):
-                        self.digests = {version: record["manifest_sha256"]}
-                    return version
-            except NetError as exc:
-                self._hub_failed(exc)
-        return catalog.latest_version(self.backing)
+    @property
+    def digests(self) -> dict[int, str]:
+        """version -> the manifest SHA-256 the hub recorded (the hub's latest only)."""
+        return self.latest.digests
 
     def _delta(self, version: int, held: int) -> SyncResult:
         """A Receiver sync: from the relayed manifest when it is one step from `held`, else the store."""
@@ -254,16 +252,6 @@ class Node:
                 log.info("node %s: relayed manifest of %d is no step from %d (%s); using the store",
                          self.config.node_id, version, held, exc)
         return self.receiver.sync(version)
-
-    def _hub_up(self) -> bool:
-        return self.hub is not None and time.monotonic() >= self._hub_down_until
-
-    def _hub_failed(self, exc: WeighthubError) -> None:
-        """Skip the hub for a while: a dead or silent hub costs one timeout per period, not per call."""
-        if isinstance(exc, NetError):
-            self._hub_down_until = time.monotonic() + max(5.0, 2 * self.config.timeout)
-        log.warning("node %s: hub failed (%s); using the store %s meanwhile",
-                    self.config.node_id, exc, self.backing.url)
 
     def _check_base(self) -> None:
         """The guard's check (module doc): on a finding, report, stop serving, re-materialize."""
@@ -329,7 +317,7 @@ class Node:
         return "store", result.bytes_fetched, {key_version(k) for k in result.route}, {}
 
     def _holders(self, version: int) -> list[str]:
-        if not self._hub_up():
+        if not self.latest.hub_up():
             return []
         try:
             found = self.hub.sources(f"{catalog.version_dir(version)}/dense", version,  # type: ignore[union-attr]
@@ -337,7 +325,7 @@ class Node:
         except VersionNotFound:
             return []  # the hub knows no such version (not announced): no holders, the store has it
         except WeighthubError as exc:
-            self._hub_failed(exc)
+            self.latest.hub_failed(exc)
             return []
         return [a for a in found if a != self.server.address][: 2 * self.config.stripes]
 
@@ -373,14 +361,14 @@ class Node:
         self._told = told
         hub.set_versions(told[0])
         hub.set_serving(told[1])
-        if not self._hub_up():
+        if not self.latest.hub_up():
             return  # the heartbeat thread tells it when it is back
 
         def beat() -> None:  # now rather than at the next beat, so newcomers find this holder
             try:
                 hub.heartbeat()
             except WeighthubError as exc:
-                self._hub_failed(exc)
+                self.latest.hub_failed(exc)
         threading.Thread(target=beat, name="node-beat", daemon=True).start()
 
     def _released(self, versions: list[int]) -> None:

@@ -49,6 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--poll", type=float, default=2.0, metavar="S",
                    help="how often the hub is asked for the latest version (default 2); a relayed "
                         "manifest wakes the node at once, so this is the fallback")
+    p.add_argument("--store-check", type=float, default=30.0, metavar="S",
+                   help="read the store's listing too when the hub has named the same latest "
+                        "version for S seconds, in case it missed an announcement (default 30; "
+                        "0: only while the hub fails)")
     p.add_argument("--full-check-versions", type=int, default=16, metavar="N",
                    help="digest all of OUT against the version it holds every N versions, to "
                         "find edits made outside weighthub that a stat cannot see (default 16; "
@@ -83,7 +87,8 @@ def run_from_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
     labels = parse_labels(args.labels)
     config = NodeConfig(node_id=args.id or f"{socket.gethostname()}:{os.getpid()}", labels=labels,
-                        timeout=args.timeout, poll_s=args.poll, stripes=args.fanout,
+                        timeout=args.timeout, poll_s=args.poll, store_check_s=args.store_check,
+                        stripes=args.fanout,
                         host=args.host, port=args.port, full_check_versions=args.full_check_versions,
                         full_check_s=args.full_check_s, nice=args.nice)
     secret = load_secret(args.secret_file)

@@ -12,7 +12,9 @@ Per version v:
               from holders or the store (the node's sources)
     commit    the manifest's create-only write (to the store only) ends the relay; then
               `hub.announce(v, ..., manifest_sha256)`. A hub that does not answer never fails a
-              publish: the version is committed in the store, and nodes poll (hub, else store)
+              publish: the version is committed in the store, and nodes poll (hub, else store);
+              the announcement is retried after each heartbeat the hub answers (a restarted hub
+              would name the version before to its nodes) until one lands or a newer one does
     notify    once the hub has the manifest's digest, the manifest itself is pushed down the
               tree as it stood at the commit: each node learns of v from that push (no fast
               polling across a region boundary) and trusts the manifest only if it hashes to
@@ -32,7 +34,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from .. import catalog
-from ..errors import WeighthubError
+from ..errors import NetError, WeighthubError
 from ..net import wire
 from ..net.client import DEFAULT_TIMEOUTS, PeerClient, Timeouts
 from ..net.server import ChunkServer
@@ -131,6 +133,7 @@ class NetPublisher:
         self._seen_failed: set[str] = set()
         self._dead: list[str] = []
         self._committed: tuple[bytes, list[wire.Hop]] | None = None  # manifest, tree at the commit
+        self._unannounced: tuple[int, bytes | None] | None = None  # committed, the hub not told
 
     @property
     def address(self) -> str:
@@ -147,6 +150,7 @@ class NetPublisher:
             self.server.serve(v)
         if self.hub is not None:
             self.hub.on_release = self._released
+            self.hub.on_beat = self._retry_announce
             try:
                 # dense=False: its server has no target to read dense bits from (joins skip it)
                 self.hub.register(self.id, self.server.address, versions=self.server.versions(),
@@ -274,15 +278,39 @@ class NetPublisher:
             return False
         with self._lock:
             raw = self._committed[0] if self._committed is not None else None
+            self._unannounced = (version, raw)  # superseding an older one: versions only grow
+        return self._retry_announce(first=True)
+
+    def _retry_announce(self, *, first: bool = False) -> bool:
+        """Announce the committed version the hub has not taken, if any (also `hub.on_beat`:
+        after each heartbeat the hub answered). Whether the hub took it now."""
+        with self._lock:
+            pending = self._unannounced
+        if pending is None or self.hub is None:
+            return False
+        version, raw = pending
         try:
             self.hub.announce_committed(self.store, version, publisher=self.id, manifest=raw)
             self.hub.set_versions(self.server.versions())
-            return True
-        except WeighthubError as exc:
+        except NetError as exc:
             log.warning("publisher %s: version %d is committed in %s but the hub did not take the "
-                        "announcement (%s); nodes find it by polling the store", self.id, version,
-                        self.store.url, exc)
+                        "announcement (%s); retried after each heartbeat the hub answers, nodes "
+                        "read the store meanwhile", self.id, version, self.store.url, exc)
             return False
+        except WeighthubError as exc:  # the hub answered and refused (a newer version, ...)
+            log.warning("publisher %s: the hub refused version %d (%s); not retried", self.id,
+                        version, exc)
+            self._settled(pending)
+            return False
+        if not first:
+            log.info("publisher %s: the hub took version %d's announcement on a retry", self.id, version)
+        self._settled(pending)
+        return True
+
+    def _settled(self, pending: tuple[int, bytes | None]) -> None:
+        with self._lock:  # unless a newer version superseded it meanwhile
+            if self._unannounced == pending:
+                self._unannounced = None
 
     def _released(self, versions: list[int]) -> None:
         for v in versions:

@@ -3,8 +3,9 @@
 `ShardedPublisher` commits straight to the store; the group's node daemons follow the hub's
 latest version, so the committer rank announces each version it committed (with the manifest's
 digest, as `NetPublisher` does). Every rank publishes; only the committer talks to the hub. A
-hub that does not answer never fails the publish: the version is committed, nodes find it in
-the store listing meanwhile, and `announced` in the result is False.
+hub that does not answer never fails the publish: the version is committed, `announced` in the
+result is False, and nodes find it in the store listing (while the hub fails, or once it has
+named the version before for their `store_check_s`); the next version's announcement supersedes it.
 """
 
 from __future__ import annotations
