@@ -26,6 +26,7 @@ import pytest
 from vllm_model import CONFIG
 
 from weighthub import catalog
+from weighthub.cluster.hubclient import HubClient
 from weighthub.errors import AttestationError, ModelMismatch
 from weighthub.store import open_store
 
@@ -212,19 +213,6 @@ def _until_dead(ray: Any, actor: Any, timeout: float = 60.0) -> None:
     raise AssertionError(f"actor {actor} still answers {timeout:g} s after ray.kill")
 
 
-def test_killed_rollout_actors_come_back(run: dict[str, Any]) -> None:
-    loop, ray = run["loop"], run["ray"]
-    ray.kill(loop.engines[1], no_restart=False)  # Ray restarts it: from v0's checkpoint, it
-    assert loop.ensure_engines() == []           # attaches itself and refits to the newest
-    _assert_engines_at(run, _newest(run))
-    ray.kill(loop.engines[0], no_restart=True)  # gone for good: the loop starts another
-    _until_dead(ray, loop.engines[0])  # the kill is asynchronous: a call right after may still land
-    assert loop.ensure_engines() == [0]
-    _assert_engines_at(run, _newest(run))
-    loop.run(1)
-    _assert_engines_at(run, _newest(run))
-
-
 def _pid(ray: Any, actor: Any, timeout: float) -> int:
     return int(ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()), timeout=timeout))
 
@@ -243,20 +231,45 @@ def _until_restarted(ray: Any, actors: dict[Any, int], timeout: float = 60.0) ->
             time.sleep(0.2)
 
 
+def test_killed_rollout_actors_come_back(run: dict[str, Any]) -> None:
+    loop, ray = run["loop"], run["ray"]
+    restarted = {loop.engines[1]: _pid(ray, loop.engines[1], timeout=60)}
+    ray.kill(loop.engines[1], no_restart=False)  # Ray restarts it: from v0's checkpoint, it
+    _until_restarted(ray, restarted, timeout=300)  # (the kill is asynchronous)
+    assert loop.ensure_engines() == []           # attaches itself and refits to the newest
+    _assert_engines_at(run, _newest(run))
+    ray.kill(loop.engines[0], no_restart=True)  # gone for good: the loop starts another
+    _until_dead(ray, loop.engines[0])  # the kill is asynchronous: a call right after may still land
+    assert loop.ensure_engines() == [0]
+    _assert_engines_at(run, _newest(run))
+    loop.run(1)
+    _assert_engines_at(run, _newest(run))
+
+
 def test_killed_node_daemon_and_hub_come_back(run: dict[str, Any]) -> None:
     loop, ray, sync = run["loop"], run["ray"], run["sync"]
     node = sorted(sync.spec.nodes)[1]
     address = sync.spec.nodes[node].address
-    killed = {a: _pid(ray, a, timeout=30) for a in (sync.node_daemon(node), sync.hub_actor)}
-    for actor in killed:
-        ray.kill(actor, no_restart=False)  # Ray restarts it (max_restarts=-1)
+    daemon, hub = sync.node_daemon(node), sync.hub_actor
+    killed = {daemon: _pid(ray, daemon, timeout=30)}
+    ray.kill(daemon, no_restart=False)  # Ray restarts it (max_restarts=-1)
     _until_restarted(ray, killed)  # the kill is asynchronous: a call right after may still land
-    back = sync.wait_daemons(timeout=60)  # restarted at the addresses they had
-    assert back[node] == address and back["hub"] == sync.spec.hub
-    loop.run(1)  # the publish reaches the hub again; the restarted daemon re-joins
+    killed = {hub: _pid(ray, hub, timeout=30)}
+    ray.kill(hub, no_restart=False)  # not waited for: it is down or restarting during the step
+    loop.run(1)  # the restarted daemon re-joins; the hub may miss the publish's announcement
     version = _newest(run)
     _assert_engines_at(run, version)
     assert sync.wait_nodes(version, timeout=60)[node]["version"] == version
+    _until_restarted(ray, killed)
+    back = sync.wait_daemons(timeout=60)  # restarted at the addresses they had
+    assert back[node] == address and back["hub"] == sync.spec.hub
+    # and the hub names the version: the trainer's publisher announces it again after each
+    # heartbeat the hub answers (else its nodes would wait for their next store check)
+    client = HubClient(sync.spec.hub, sync.spec.secret, timeout=10.0)
+    deadline = time.monotonic() + 60
+    while client.latest() != version:
+        assert time.monotonic() < deadline, f"the hub names {client.latest()}, not {version}"
+        time.sleep(0.2)
 
 
 def test_trainer_outside_ray_and_unpublished_policy(run: dict[str, Any]) -> None:
