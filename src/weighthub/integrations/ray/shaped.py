@@ -37,6 +37,7 @@ OBJECT_STORE_BYTES = 1 << 30
 NODE_CPUS = 4  # logical: the actors ask for none; Ray's own tasks need some
 START_TIMEOUT_S = 90.0
 RUN_TIMEOUT_BASE_S, RUN_TIMEOUT_PER_STEP_S = 900.0, 300.0
+WORK_PREFIX = "whrl-"
 
 
 class ShapedRunError(WeighthubError):
@@ -55,9 +56,10 @@ def run_shaped(args: argparse.Namespace) -> int:
     if ray_bin is None:
         raise UsageError("the `ray` command is not installed next to this Python: pip install "
                          "'weighthub[ray]'")
-    # Ray's node logs and the store's directory; removed after a run that succeeds, kept (its
-    # logs, named in the error; the store's data goes with the server) after one that fails
-    work = Path(tempfile.mkdtemp(prefix="weighthub-rl-link-"))
+    # Ray's node logs and temp dir, and the store's directory; removed after a run that succeeds,
+    # kept (its logs, named in the error; the store's data goes with the server) after one that
+    # fails. A short name: Ray's sockets live in it, and a socket path has at most 107 bytes
+    work = Path(tempfile.mkdtemp(prefix=WORK_PREFIX))
     try:
         doc = _run_in_lab(args, ray_bin, work)
     except BaseException:
@@ -87,7 +89,11 @@ def _run_in_lab(args: argparse.Namespace, ray_bin: str, work: Path) -> dict[str,
               f"measured {measured / 1e6:.0f} Mbit/s; starting SeaweedFS and Ray", flush=True)
         with SeaweedServer.start(bucket="policy", lab=lab, ns=train, host=link.a_addr,
                                  workdir=work / "seaweed") as s3:
-            env = child_env({**ENV, **s3.env(), "RAY_USAGE_STATS_ENABLED": "0"})
+            # RAY_TMPDIR: Ray's sessions and its `ray_current_cluster` file go to `work`, not
+            # /tmp/ray, where that file would point every later plain `ray.init()` on this
+            # machine at this lab's cluster, gone with its namespace
+            env = child_env({**ENV, **s3.env(), "RAY_USAGE_STATS_ENABLED": "0",
+                             "RAY_TMPDIR": str(work)})
             head = f"{link.a_addr}:{GCS_PORT}"
             _ray_node(lab, train, ray_bin, env, ["--head", f"--port={GCS_PORT}",
                                                  "--include-dashboard=false"],
@@ -104,11 +110,11 @@ def _run_in_lab(args: argparse.Namespace, ray_bin: str, work: Path) -> dict[str,
                 rc = driver.wait(timeout=timeout)
             except subprocess.TimeoutExpired as exc:
                 raise ShapedRunError(f"the RL driver did not finish in {timeout:.0f} s; Ray's "
-                                     f"logs: {work}/ray-*.log and /tmp/ray/session_latest") from exc
+                                     f"logs: {work}/ray-*.log and {work}/ray/session_latest/logs") from exc
             total = link.wire_bytes() - before
     if rc != 0:
         raise ShapedRunError(f"the RL driver failed (exit {rc}; its error is above; Ray's "
-                             f"logs: {work}/ray-*.log)")
+                             f"logs: {work}/ray-*.log and {work}/ray/session_latest/logs)")
     doc: dict[str, Any] = json.loads(json_path.read_text())
     doc["link"] = {"rate_mbit": args.link_mbit, "measured_mbit": measured / 1e6,
                    "wire_bytes_total": total}
