@@ -98,7 +98,7 @@ class HubClient:
         self.lease_ttl: float | None = None
         self.last_error: WeighthubError | None = None
         self.on_release: Callable[[list[int]], None] | None = None
-        self.on_beat: Callable[[], object] | None = None  # after each heartbeat the hub answered
+        self.on_beat: Callable[[], None] | None = None  # after each heartbeat the hub answered
 
     # -- transport ---------------------------------------------------------------------------
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
@@ -194,7 +194,10 @@ class HubClient:
                     self.last_error = exc
                     continue
                 if self.on_beat is not None:
-                    self.on_beat()
+                    try:
+                        self.on_beat()
+                    except Exception:  # its own failure must not end the heartbeat
+                        log.exception("hub %s: the after-heartbeat hook failed", self.address)
         self._stop.clear()
         self._thread = threading.Thread(target=beat, name=f"hub-heartbeat-{self.address}", daemon=True)
         self._thread.start()

@@ -134,6 +134,7 @@ class NetPublisher:
         self._dead: list[str] = []
         self._committed: tuple[bytes, list[wire.Hop]] | None = None  # manifest, tree at the commit
         self._unannounced: tuple[int, bytes | None] | None = None  # committed, the hub not told
+        self._announcing = threading.Lock()  # one announcement at a time, in version order
 
     @property
     def address(self) -> str:
@@ -276,22 +277,26 @@ class NetPublisher:
     def _announce(self, version: int) -> bool:
         if self.hub is None:
             return False
-        with self._lock:
-            raw = self._committed[0] if self._committed is not None else None
-            self._unannounced = (version, raw)  # superseding an older one: versions only grow
-        return self._retry_announce(first=True)
+        with self._announcing:
+            with self._lock:
+                raw = self._committed[0] if self._committed is not None else None
+                pending = self._unannounced = (version, raw)  # supersedes an older one
+            return self._tell_hub(pending, first=True)
 
-    def _retry_announce(self, *, first: bool = False) -> bool:
-        """Announce the committed version the hub has not taken, if any (also `hub.on_beat`:
-        after each heartbeat the hub answered). Whether the hub took it now."""
-        with self._lock:
-            pending = self._unannounced
-        if pending is None or self.hub is None:
-            return False
+    def _retry_announce(self) -> None:
+        """`hub.on_beat` (the hub answered a heartbeat): announce the committed version it did
+        not take, if any."""
+        with self._announcing:
+            with self._lock:
+                pending = self._unannounced
+            if pending is not None:
+                self._tell_hub(pending, first=False)
+
+    def _tell_hub(self, pending: tuple[int, bytes | None], *, first: bool) -> bool:
         version, raw = pending
         try:
-            self.hub.announce_committed(self.store, version, publisher=self.id, manifest=raw)
-            self.hub.set_versions(self.server.versions())
+            self.hub.announce_committed(self.store, version, publisher=self.id, manifest=raw)  # type: ignore[union-attr]
+            self.hub.set_versions(self.server.versions())  # type: ignore[union-attr]
         except NetError as exc:
             log.warning("publisher %s: version %d is committed in %s but the hub did not take the "
                         "announcement (%s); retried after each heartbeat the hub answers, nodes "
