@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -44,11 +45,16 @@ def test_grpo_across_a_shaped_link(tmp_path: Path) -> None:
     ray_pointer = tmp / "ray" / "ray_current_cluster"  # where Ray writes it but for RAY_TMPDIR
     pointed = ray_pointer.read_text() if ray_pointer.exists() else None
     out = tmp_path / "rl.json"
+    # a Ray auth token lying around, as any local ray.init() leaves one in ~/.ray: a head that
+    # finds one turns token auth on, so the lab must give all its nodes the same (its own)
+    stray = tmp_path / "stray-ray-token"
+    stray.write_text(secrets.token_hex(32))
     proc = subprocess.run(
         [sys.executable, "-m", "weighthub.cli", "demo", "--rl", "--plain-cpu-weights",
          "--link-mbit", "400", "--steps", "2", "--prompts", "2", "--samples", "2",
          "--max-tokens", "8", "--json", str(out)],
-        capture_output=True, text=True, timeout=1400)
+        capture_output=True, text=True, timeout=1400,
+        env={**os.environ, "RAY_AUTH_TOKEN_PATH": str(stray)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "refitting in place" in proc.stdout
     doc = json.loads(out.read_text())

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import shutil
 import subprocess
 import sys
@@ -91,9 +92,13 @@ def _run_in_lab(args: argparse.Namespace, ray_bin: str, work: Path) -> dict[str,
                                  workdir=work / "seaweed") as s3:
             # RAY_TMPDIR: Ray's sessions and its `ray_current_cluster` file go to `work`, not
             # /tmp/ray, where that file would point every later plain `ray.init()` on this
-            # machine at this lab's cluster, gone with its namespace
+            # machine at this lab's cluster, gone with its namespace. Token auth with the lab's
+            # own token on every node and the driver: left to itself, a head finding a token in
+            # ~/.ray (any earlier local ray.init() writes one) turns it on and the roll node,
+            # which does not, is refused
             env = child_env({**ENV, **s3.env(), "RAY_USAGE_STATS_ENABLED": "0",
-                             "RAY_TMPDIR": str(work)})
+                             "RAY_TMPDIR": str(work), "RAY_AUTH_MODE": "token",
+                             "RAY_AUTH_TOKEN": secrets.token_hex(32)})
             head = f"{link.a_addr}:{GCS_PORT}"
             _ray_node(lab, train, ray_bin, env, ["--head", f"--port={GCS_PORT}",
                                                  "--include-dashboard=false"],
