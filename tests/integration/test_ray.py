@@ -11,6 +11,7 @@ outside Ray, and a policy the trainer did not publish.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import socket
@@ -123,13 +124,17 @@ def test_grpo_steps_refit_every_engine_bit_exact(run: dict[str, Any]) -> None:
         assert row["relayed_manifest"] == [True, True], row
         assert row["in_turn"]  # vLLM CPU engines pause in their node's turn (`pauses`)
         assert [e["stage_s"] > 0 and e["pause_s"] > 0 for e in row["per_engine"]] == [True] * 2
-        assert 0 < row["publish_stream_s"] <= row["publish_s"]
+        assert 0 < row["publish_stream_s"] <= row["publish_inner_s"] <= row["publish_s"]
+        assert row["publish_plan_s"] > 0 and row["publish_announce_s"] > 0  # the hub was asked
         assert row["baseline_bytes"] == 2 * row["dense_bytes"]  # the object-store route moves everything
         assert 0 < row["engine_bytes"] < row["baseline_bytes"]
     # told to stage before the update, the engines decoded chunks as they were pushed to their
     # node, before the commit, and staging took them (each engine ended bit-exact: below)
     assert sum(e["early_chunks"] for row in rows for e in row["per_engine"]) > 0, rows
     _assert_engines_at(run, rows[-1]["version"])
+    # the trainer froze its start-up heap: a full collection mid-publish walks only the steps'
+    # objects (`heap`)
+    assert run["ray"].get(loop.trainer.__ray_call__.remote(lambda _self: gc.get_freeze_count())) > 0
     held = run["sync"].wait_nodes(rows[-1]["version"], timeout=30)
     assert {h["version"] for h in held.values()} == {rows[-1]["version"]}
     # each engine read every chunk its node's daemon was pushed (by the relay tree) from the

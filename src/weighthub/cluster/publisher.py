@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 
@@ -57,12 +58,18 @@ class NetPublishResult(PublishResult):
     pushed: int = 0  # chunk pushes to roots (each reaches a whole subtree)
     dead: tuple[str, ...] = ()  # node ids reported failed during this refit
     announced: bool = False  # the hub acknowledged the commit
+    # around the Publisher's `seconds`: asking the hub for the relay plan before it, and after
+    # the commit serving the version, announcing it and pushing the manifest down the tree
+    plan_seconds: float = 0.0
+    announce_seconds: float = 0.0
 
     @classmethod
     def of(cls, result: PublishResult, *, planned: int, pushed: int, dead: tuple[str, ...],
-           announced: bool) -> NetPublishResult:
+           announced: bool, plan_seconds: float = 0.0,
+           announce_seconds: float = 0.0) -> NetPublishResult:
         return cls(**{f.name: getattr(result, f.name) for f in fields(PublishResult)},
-                   planned=planned, pushed=pushed, dead=dead, announced=announced)
+                   planned=planned, pushed=pushed, dead=dead, announced=announced,
+                   plan_seconds=plan_seconds, announce_seconds=announce_seconds)
 
 
 class _CommitHook:
@@ -177,14 +184,17 @@ class NetPublisher:
         Raises what `Publisher.publish` raises (the store's errors, ModelMismatch, ObjectExists);
         never a hub or relay failure.
         """
+        t0 = time.perf_counter()
         current = self.publisher.version
         version = 0 if current is None else current + 1
         planned = self._start_relay(version)
         pushed0 = self.tee.pushed
+        t1 = time.perf_counter()
         try:
             result = self.publisher.publish(state, donate=donate)
         finally:
             self._end_relay()
+        t2 = time.perf_counter()
         self.server.serve(result.version)
         announced = self._announce(result.version)
         with self._lock:
@@ -192,7 +202,8 @@ class NetPublisher:
         if announced and committed is not None and committed[1]:
             self.tee.push_object(catalog.rep_key(result.version, None, primary=True), *committed)
         return NetPublishResult.of(result, planned=planned, pushed=self.tee.pushed - pushed0,
-                                   dead=dead, announced=announced)
+                                   dead=dead, announced=announced, plan_seconds=t1 - t0,
+                                   announce_seconds=time.perf_counter() - t2)
 
     def _start_relay(self, version: int) -> int:
         plan: Plan | None = None

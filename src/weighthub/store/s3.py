@@ -120,7 +120,7 @@ class S3Store:
             connect_timeout=connect_timeout, read_timeout=read_timeout,
             retries={"total_max_attempts": 1, "mode": "standard"},  # retries are ours: see _call
             max_pool_connections=max(16, 4 * parallel),
-            # integrity is end to end (the manifest's xxh3 of every chunk): skip the CRC pass
+            # integrity is end to end (the manifest's SHA-256 of every chunk): skip the CRC pass
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
             s3={"addressing_style": "path"} if endpoint_url else None,

@@ -29,6 +29,7 @@ from ...errors import PeerTimeout, UsageError
 from ...format import ChunkRef
 from ...store import LocalStore, open_store
 from ...targets import StateDictTarget
+from .heap import freeze_startup_heap
 
 START_TIMEOUT_S = 30.0
 # a node daemon's state directory: the host staging cache its engines share, and its relay cache
@@ -84,6 +85,7 @@ class HubDaemon:
         if not ready.wait(START_TIMEOUT_S) or self._error is not None:
             raise UsageError(f"the weighthub hub did not start in {START_TIMEOUT_S:g} s on {host} "
                              f"({self._error!r}); is its port taken? (state in {root})")
+        freeze_startup_heap()  # a publish waits for its plan and announcement (see heap)
 
     def address(self) -> str:
         return self._address
@@ -134,6 +136,7 @@ class NodeDaemon:
                                   apply_delay_s=apply_delay_s)
         self.node.start()
         port_file.write_text(self.node.server.address.rpartition(":")[2])
+        freeze_startup_heap()  # engines wait on it to stage (see heap)
 
     def _event(self, event: dict[str, Any]) -> None:
         with self._lock:

@@ -22,6 +22,7 @@ from typing import Any
 
 from ...errors import UsageError
 from .cluster import local_cluster
+from .heap import freeze_startup_heap
 from .loop import GRPOLoop, RLConfig
 from .options import ENV
 from .sync import WeightSync
@@ -155,6 +156,7 @@ def _run(config: RLConfig, work: Path, args: argparse.Namespace, t0: float, *,
     loop = GRPOLoop(config, sync, wire=wire)
     try:
         started = loop.start()
+        freeze_startup_heap()  # this driver times every refit (see heap)
         print(f"cluster up, {len(sync.spec.nodes)} node daemons, hub {sync.spec.hub}; v0 published "
               f"in {started['initial']['publish_s']:.2f} s; {config.engines} engines bound, "
               f"refitting {_refit_path(started['bound'])} ({time.perf_counter() - t0:.0f} s)",
