@@ -24,6 +24,8 @@
     trainer   GRPOTrainer: fp32 master, clipped GRPO step, bf16 publish, attestation checks
     loop      GRPOLoop / RLConfig: the end-to-end run and its side-by-side baseline
     cluster   local_cluster: real raylets on one machine
+    heap      freeze_startup_heap: full collections skip the start-up heap (a trainer of your
+              own: call it once the model, optimizer and publisher exist)
     example   `weighthub demo --rl`; options: its command-line options (light to import)
 """
 
@@ -33,15 +35,17 @@ from ...lazy import lazy_exports
 
 if TYPE_CHECKING:  # the names resolve on first use: the CLI imports `options` without Ray
     from .attest import Attestation, PolicyLedger, drift
+    from .heap import freeze_startup_heap
     from .rollout import RolloutEngine, VLLMRollout
     from .spec import NodeSpec, SyncSpec
     from .sync import WeightSync
 
 __getattr__ = lazy_exports(globals(), {
     "attest": frozenset({"Attestation", "PolicyLedger", "drift"}),
+    "heap": frozenset({"freeze_startup_heap"}),
     "rollout": frozenset({"RolloutEngine", "VLLMRollout"}),
     "spec": frozenset({"NodeSpec", "SyncSpec"}),
     "sync": frozenset({"WeightSync"}),
 })
 __all__ = ["Attestation", "NodeSpec", "PolicyLedger", "RolloutEngine", "SyncSpec", "VLLMRollout",
-           "WeightSync", "drift"]
+           "WeightSync", "drift", "freeze_startup_heap"]
