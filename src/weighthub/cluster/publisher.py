@@ -65,8 +65,7 @@ class NetPublishResult(PublishResult):
 
     @classmethod
     def of(cls, result: PublishResult, *, planned: int, pushed: int, dead: tuple[str, ...],
-           announced: bool, plan_seconds: float = 0.0,
-           announce_seconds: float = 0.0) -> NetPublishResult:
+           announced: bool, plan_seconds: float, announce_seconds: float) -> NetPublishResult:
         return cls(**{f.name: getattr(result, f.name) for f in fields(PublishResult)},
                    planned=planned, pushed=pushed, dead=dead, announced=announced,
                    plan_seconds=plan_seconds, announce_seconds=announce_seconds)
