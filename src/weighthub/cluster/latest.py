@@ -10,6 +10,12 @@ committed, though, and it is read:
   but a one-shot `weighthub publish` or a publisher that died right after its commit does not
   retry) keeps answering the version before, and its nodes would wait for the next publish.
   The check costs one store listing per period and only while no new version arrives.
+  A listing can also be ahead of the hub for a moment: a publisher commits to the store, then
+  announces to the hub, and a check in between reads the new version. So a version the
+  listing shows ahead of the hub is followed only if the hub still lags `ANNOUNCE_GRACE_S`
+  later; until then the hub's answer stands (seen in the RL demo: a node that followed the
+  store at once took its manifest from the store, not the relayed one the hub vouches for,
+  and staged that step ~0.08 s later, with a false warning).
 """
 
 from __future__ import annotations
@@ -23,6 +29,11 @@ from ..store import Store
 from .hubclient import HubClient
 
 log = logging.getLogger(__name__)
+
+# How long the hub may lag a version the store lists before it is taken as missed: a
+# publisher's announcement follows its commit by one hub call (milliseconds; a slow hub is
+# what the grace waits for).
+ANNOUNCE_GRACE_S = 2.0
 
 
 class LatestVersion:
@@ -47,6 +58,7 @@ class LatestVersion:
         self.digests: dict[int, str] = {}  # version -> manifest SHA-256 the hub recorded
         self._down_until = 0.0
         self._said: tuple[int | None, float] = (None, time.monotonic())  # hub's answer, since when
+        self._ahead: tuple[int, float] | None = None  # a version listed ahead of the hub, when
 
     def hub_up(self) -> bool:
         return self.hub is not None and time.monotonic() >= self._down_until
@@ -77,9 +89,22 @@ class LatestVersion:
         elif self.store_check_s and now - self._said[1] >= self.store_check_s:
             self._said = (version, now)  # the next check one period from now
             listed = catalog.latest_version(self.store)
-            if listed is not None and listed > version:
-                log.warning("%s: the hub's latest is version %d but %s has version %d committed "
-                            "(the hub missed its announcement); following the store", self.where,
-                            version, self.store.url, listed)
-                return listed
-        return version
+            if listed is not None and listed > version and self._ahead is None:
+                self._ahead = (listed, now)  # maybe committed but not yet announced: wait
+        return self._behind_the_store(version, now)
+
+    def _behind_the_store(self, version: int, now: float) -> int:
+        """The hub's version, or the store's when the hub has lagged it past the grace."""
+        if self._ahead is None:
+            return version
+        listed, since = self._ahead
+        if version >= listed:
+            self._ahead = None  # the announcement came
+            return version
+        if now - since < ANNOUNCE_GRACE_S:
+            return version
+        self._ahead = None
+        log.warning("%s: the hub's latest is version %d but %s has version %d committed "
+                    "(the hub missed its announcement); following the store", self.where,
+                    version, self.store.url, listed)
+        return listed
