@@ -104,3 +104,17 @@ def test_labels_from_ray_nodes() -> None:
                                                          "region": "us"}}
     assert labels_of(node) == Labels("us", "us-1a", "abcdef0123456789")
     assert labels_of({"NodeID": "x"}) == Labels("", "", "x")
+
+
+def test_a_tokenizerless_engine_drops_only_vllms_no_tokenizer_warnings() -> None:
+    import logging
+
+    from weighthub.integrations.ray.rollout import _DropTokenizerless
+
+    def record(msg: str) -> logging.LogRecord:
+        return logging.LogRecord("vllm.renderers.base", logging.WARNING, "base.py", 1, msg, None, None)
+
+    drop = _DropTokenizerless()
+    assert not drop.filter(record("Chat template warmup failed"))
+    assert not drop.filter(record("Using None for EOS token id because tokenizer is not initialized"))
+    assert drop.filter(record("Chat template %s is not valid"))  # anything else passes

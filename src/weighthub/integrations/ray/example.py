@@ -157,7 +157,9 @@ def _run(config: RLConfig, work: Path, args: argparse.Namespace, t0: float, *,
     try:
         started = loop.start()
         freeze_startup_heap()  # this driver times every refit (see heap)
-        print(f"cluster up, {len(sync.spec.nodes)} node daemons, hub {sync.spec.hub}; v0 published "
+        daemons = len(sync.spec.nodes)
+        print(f"cluster up, {daemons} node daemon{'s' * (daemons != 1)}, hub {sync.spec.hub}; "
+              f"v0 published "
               f"in {started['initial']['publish_s']:.2f} s; {config.engines} engines bound, "
               f"refitting {_refit_path(started['bound'])} ({time.perf_counter() - t0:.0f} s)",
               flush=True)

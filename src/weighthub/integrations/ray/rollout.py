@@ -17,10 +17,12 @@ log-probabilities out, each batch attested.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -216,12 +218,16 @@ class VLLMRollout(RolloutEngine):
         pause_in_turn: the engines of a node pause one at a time (`pauses`); default: on
             vLLM's CPU build (engines share the host's cores), off on GPUs.
         engine_args: more `vllm.LLM` keyword arguments (max_model_len, dtype, ...).
+    vLLM logs at WARNING in this actor unless `VLLM_LOGGING_LEVEL` says otherwise (its INFO
+    lines, several per request, would bury the run's own output); with `skip_tokenizer_init`
+    its warnings that only say there is no tokenizer are dropped.
     """
 
     def __init__(self, name: str, checkpoint: str, *, sync: SyncSpec | None = None,
                  version: int | None = None, plain_cpu_weights: bool = False,
                  pause_in_turn: bool | None = None, **engine_args: Any) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # staging overlaps generate
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # a step's INFO lines drown the run's
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -230,6 +236,8 @@ class VLLMRollout(RolloutEngine):
         self.name = name
         self.weighthub_pause_in_turn = (current_platform.is_cpu() if pause_in_turn is None
                                         else pause_in_turn)
+        if engine_args.get("skip_tokenizer_init"):
+            _quiet_tokenizerless()
         with _vllm_scan_safe():
             self.llm = LLM(checkpoint, worker_extension_cls=EXTENSION, **engine_args)
         if sync is not None:
@@ -277,7 +285,21 @@ def _vllm_scan_safe() -> Iterator[None]:
     loaded at that point; an in-process one does. Nothing else runs meanwhile in this process
     (the actor is being constructed), so the globals are simply put back afterwards.
     """
-    hidden = []
+    hidden: list[tuple[dict[str, Any], str, Any]] = []
+    # probing every global (this scan and vLLM's own) trips deprecation warnings of modules that
+    # have nothing to do with the engine (torch.distributed.reduce_op, ...)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        _hide_breaking_globals(hidden)
+        try:
+            yield
+        finally:
+            for namespace, name, value in hidden:
+                namespace[name] = value
+
+
+def _hide_breaking_globals(hidden: list[tuple[dict[str, Any], str, Any]]) -> None:
     for module in list(sys.modules.values()):
         namespace = getattr(module, "__dict__", None)
         if not isinstance(namespace, dict):
@@ -290,8 +312,20 @@ def _vllm_scan_safe() -> Iterator[None]:
             if breaks:
                 hidden.append((namespace, name, value))
                 del namespace[name]
-    try:
-        yield
-    finally:
-        for namespace, name, value in hidden:
-            namespace[name] = value
+
+
+class _DropTokenizerless(logging.Filter):
+    """Drops vLLM's start-up warnings that only say the engine has no tokenizer."""
+
+    NOISE = ("Chat template warmup failed", "Using None for EOS token id")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.NOISE)
+
+
+def _quiet_tokenizerless() -> None:
+    """With `skip_tokenizer_init` (token-id prompts), vLLM 0.32's start-up still warms up a chat
+    template and logs the failure as a warning with a traceback, then warns that EOS is None at
+    the first request: expected without a tokenizer, and alarming in an RL run's output. The
+    filter stays on that logger (the EOS warning comes later); its other records pass."""
+    logging.getLogger("vllm.renderers.base").addFilter(_DropTokenizerless())
