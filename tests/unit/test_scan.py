@@ -1,8 +1,8 @@
 """The host change scan against numpy: every changed element, its old and new word, in order.
 
-Two kernels do the work (`scan_changes16` for 16-bit words, `scan_changes` for the others), on
-word-aligned middles with element-wise heads and tails, growing their outputs when more than
-1/32 of the elements changed; each of those paths is exercised here, bit for bit.
+`scan_changes` compares 8 bytes at a time (1 to 8 elements a word) on the word-aligned middle,
+`scan_tail` the unaligned head and tail element by element, and the outputs grow when more
+than 1/32 of the elements changed; each of those paths is exercised here, bit for bit.
 """
 
 from __future__ import annotations

@@ -90,12 +90,10 @@ def _scan(old: np.ndarray, new: np.ndarray, limit: int) -> _Changes | None:
     wbuf = np.empty(K.SCAN_CHUNK, np.int64)
     w = 0
     while True:
-        if width == 2:  # bf16 and fp16, nearly every float a model holds
-            dk, dw = K.scan_changes16(a64[w:], b64[w:], head + w * lanes, wbuf, pos[k:], ov[k:],
-                                      nv[k:])
-            k, w = k + dk, w + dw
-        else:
-            k, w = K.scan_changes(a64, b64, lanes, 8 * width, head, w, wbuf, pos, ov, nv, k)
+        # from word w and slot k on: the kernel counts from zero on the slices it gets
+        dk, dw = K.scan_changes(a64[w:], b64[w:], lanes, 8 * width, head + w * lanes, wbuf,
+                                pos[k:], ov[k:], nv[k:])
+        k, w = k + dk, w + dw
         if k > limit:
             return None
         if w == words and pos.size - k >= n - stop:
