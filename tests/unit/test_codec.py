@@ -26,6 +26,7 @@ from weighthub.codec import (
     apply_segment,
     encode_segment,
 )
+from weighthub.codec import kernels as K
 from weighthub.digest import digest_add, digest_affine, digest_sub, lanes_digest
 from weighthub.errors import FormatError
 from weighthub.format import decode_chunk, encode_chunk
@@ -342,3 +343,17 @@ def test_partial_apply_is_rolled_back_exactly() -> None:
             apply_segment(seg, dst, DT, undo, "partial")
         undo.rollback()
         assert same_bits(dst, original)
+
+
+def test_size_estimates_are_order0_entropy_plus_a_table() -> None:
+    # what encode_segment compares its candidate streams by: bits of order-0 entropy as bytes,
+    # plus a 16-byte table for any non-empty stream (zstd-1's Huffman header)
+    assert K.stream_estimate(np.zeros(0, np.uint8)) == 0.0
+    assert K.stream_estimate(np.full(9, 7, np.uint8)) == 16.0
+    assert K.stream_estimate(np.array([0, 0, 1, 1], np.uint8)) == pytest.approx(16.5)
+    old, new = np.zeros(2, np.uint16), np.ones(2, np.uint16)
+    mask, sign_shift = np.uint64(0xFFFF), 15
+    # zigzag(+1) = 2 and xor 1 are one-byte streams of one symbol; the raw words' bytes are
+    # 1, 0, 1, 0 (one bit each), counted twice at scale 2
+    zigzag, xor, raw = K.value_estimates(old, new, 2, 1, mask, sign_shift, 2.0)
+    assert (zigzag, xor) == (16.0, 16.0) and raw == pytest.approx(17.0)

@@ -41,3 +41,18 @@ def test_the_scan_lists_exactly_the_changed_elements(dtype: type, rate: float, o
 def test_a_scan_over_its_limit_gives_up() -> None:
     old, new = _pair(np.uint16, 10_000, 0.5, 0, seed=1)
     assert _scan(old, new, 100) is None
+
+
+@pytest.mark.parametrize("n", [1, 7, 576, 4096, 4097])
+@pytest.mark.parametrize("rate", [0.0, 0.03, 1.0])
+def test_short_ranges_list_exactly_the_changed_elements(n: int, rate: float) -> None:
+    # up to _ELEMENTWISE_SCAN elements the scan goes element by element (norms, biases); the
+    # first length past it takes the word-wide path: both must agree with numpy
+    old, new = _pair(np.uint16, n, rate, 1, seed=n)
+    want = np.flatnonzero(old != new)
+    changes = _scan(old, new, n)
+    assert changes is not None
+    assert np.array_equal(changes.pos, want)
+    assert np.array_equal(changes.old, old[want]) and np.array_equal(changes.new, new[want])
+    if want.size:
+        assert _scan(old, new, want.size - 1) is None  # one over the limit gives up

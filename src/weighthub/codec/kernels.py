@@ -213,9 +213,42 @@ def value_histograms(oldv, newv, count, stride, mask, sign_shift, h_zigzag, h_xo
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def byte_histogram(buf, hist):
+def value_estimates(oldv, newv, count, stride, mask, sign_shift, scale):
+    """Estimated bytes (`entropy_of_hist`) of the zigzag, xor and raw value streams from the
+    histograms of every `stride`-th pair (`value_histograms`), each `scale` times as long:
+    one call per segment where three histograms and three estimates in Python cost ~40 µs."""
+    h_zigzag = np.zeros(256, np.int64)
+    h_xor = np.zeros(256, np.int64)
+    h_raw = np.zeros(256, np.int64)
+    value_histograms(oldv, newv, count, stride, mask, sign_shift, h_zigzag, h_xor, h_raw)
+    return (entropy_of_hist(h_zigzag, scale), entropy_of_hist(h_xor, scale),
+            entropy_of_hist(h_raw, scale))
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def stream_estimate(buf):
+    """Estimated bytes (`entropy_of_hist`) of a byte stream once compressed."""
+    hist = np.zeros(256, np.int64)
     for i in range(buf.shape[0]):
         hist[buf[i]] += 1
+    return entropy_of_hist(hist, 1.0)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def entropy_of_hist(hist, scale):
+    """Order-0 entropy in bytes of a stream with this byte histogram, `scale` times as long, plus
+    16 bytes of table (0 for an empty stream): what zstd-1's Huffman stage approaches."""
+    total = 0
+    for s in range(hist.shape[0]):
+        total += hist[s]
+    if total == 0:
+        return 0.0
+    bits = 0.0
+    for s in range(hist.shape[0]):
+        if hist[s] > 0:
+            p = hist[s] / total
+            bits -= p * np.log2(p)
+    return bits * total * scale / 8 + 16
 
 
 # --- decoding and applying --------------------------------------------------------------------
