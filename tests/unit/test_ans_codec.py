@@ -13,6 +13,7 @@ import pytest
 
 from reference_ans import Context, code, code_positions, code_values, integer, raw, ref_ans
 from weighthub.codec import Op, Positions, Segment, UndoLog, Values, apply_segment, encode_segment
+from weighthub.codec.ans import model_rebuild, models
 from weighthub.codec.coding import EncodePolicy, check_coding
 from weighthub.codec.ctx import (
     ANS_CHANGES_PER_POSITION_BYTE,
@@ -125,6 +126,36 @@ def test_golden_bytes() -> None:
 
 GOLDEN_POS = "f5e0ae000f0074002ed0f255468035633a317701"
 GOLDEN_VAL = "8ac6e9034a36041a4c3e"
+
+
+@pytest.mark.parametrize("alphabet", [4, 8, 21, 65])
+def test_tables_match_the_integer_formula_at_every_weight_extreme(alphabet: int) -> None:
+    """model_rebuild floors cnt·avail/total with a float product; the tables must equal the
+    spec's integer formula (the reference's) bit for bit, including quotients that are exact
+    integers (where a float a hair low would floor one short) and the largest totals."""
+    rng = np.random.default_rng(alphabet)
+    avail = 4096 - 4 * alphabet
+    cases = [[4] * alphabet, [1] + [0] * (alphabet - 1), [(1 << 20) // alphabet] * alphabet,
+             [(1 << 20) + 8192] + [0] * (alphabet - 1)]  # the most a table ever sees (halved)
+    for _ in range(300):  # totals that divide cnt·avail: every quotient an exact integer
+        unit = int(rng.integers(1, 64))
+        cases.append([unit * int(x) * avail for x in rng.integers(0, 3, alphabet)]
+                     if unit * avail * alphabet * 2 < 1 << 20 else [unit] * alphabet)
+        cases[-1][0] += unit * avail  # never all zero
+    for _ in range(300):
+        cases.append([int(x) for x in rng.integers(0, 1 << int(rng.integers(1, 21)), alphabet)])
+        cases[-1][int(rng.integers(alphabet))] += 1
+    cum, cnt = models(1, alphabet)
+    for weights in cases:
+        cnt[0, :alphabet] = weights
+        model_rebuild(cum, cnt, 0, alphabet)
+        ref = Context(alphabet)
+        ref.w = list(weights)
+        ref.rebuild()
+        assert cum[0, :alphabet].tolist() == ref.start, weights
+        assert cnt[0, :alphabet].tolist() == ref.w  # halved alike past the limit
+        assert cum[0, alphabet] == 4096
+    assert avail > 0
 
 
 def test_encoder_picks_ans_for_float_deltas_and_never_for_integers() -> None:
