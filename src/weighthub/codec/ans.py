@@ -40,8 +40,8 @@ below ran 4x slower. So the hot helpers are leaves (`symbol_op`, `observe`, `dec
 `observe`, `dec_symbol` and `get_raw` are inlined into the kernels by numba itself
 (inline="always"): left to LLVM, each decoded symbol paid a call with its arrays' reference
 counts, and the decoder took 34 ns a change on a MiniLM step instead of 20 (with the branch-free
-renormalization of `_renorm`). numba's disk cache keys a kernel on its own file only: after
-editing a helper here, touch ans_kernels.py (a fresh install recompiles everything anyway).
+renormalization of `_renorm`). The kernels carry these helpers compiled in, which is why
+their disk cache is stamped with every kernel source (weighthub.kernel_cache).
 
 All arithmetic is int64; states are < 2^32.
 """

@@ -12,8 +12,8 @@ from group to group (model_enter): neighbouring exponents code alike.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
+from ..kernel_cache import njit
 from .ans import (
     HEAD_BYTES,
     RAW_MAX,

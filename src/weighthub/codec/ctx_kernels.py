@@ -15,8 +15,8 @@ and zstd's order-0 Huffman cannot.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
+from ..kernel_cache import njit
 from .kernels import BAD_CODE, POSITION_OUT_OF_RANGE, STREAM_OVERRUN, group_order
 from .rangecoder import (
     INT_TREE,

@@ -20,9 +20,9 @@ consecutive updates of a common key do not serialise on one memory location.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 from ..digest.mix import K0, K1, fold, fold_weyl
+from ..kernel_cache import njit
 from .coding import Op, Values
 
 # Status codes returned by the decode kernels (negative = refused, nothing past that point done).

@@ -33,10 +33,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
 
 from ..digest.mix import fold
 from ..errors import BaseMismatch, FormatError, IntegrityError, UsageError
+from ..kernel_cache import njit
 from ..tensors import DType, readonly
 from .coding import Op, Positions
 from .encode import width_masks

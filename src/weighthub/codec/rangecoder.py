@@ -20,8 +20,8 @@ Decoders never touch memory past an end (see the state notes below).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
+from ..kernel_cache import njit
 from .kernels import BAD_CODE, STREAM_OVERRUN, TRAILING_BYTES
 
 PROB_BITS = 12

@@ -13,8 +13,8 @@ once per argument type, so each compiles once per word width.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
+from ..kernel_cache import njit
 from .mix import K0, K1, fold, fold_weyl
 
 _ONE = np.uint64(1)

@@ -15,7 +15,8 @@ numpy/numba promote that to float64.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from ..kernel_cache import njit
 
 K0 = np.uint64(0x9E3779B97F4A7C15)  # golden ratio · 2^64 (odd)
 K1 = np.uint64(0xD1B54A32D192ED03)  # an odd constant from the R2 sequence, unrelated to K0
