@@ -26,7 +26,7 @@ import xxhash
 # against the memory bound and the deadline (torch alone takes seconds and hundreds of MB).
 from weighthub.codec.apply import apply_segment, regap_segment
 from weighthub.codec.coding import Op, Positions, Values, check_coding
-from weighthub.codec.ctx import decode_ctx
+from weighthub.codec.prepared import prepare_segment
 from weighthub.codec.segment import Segment, UndoLog
 from weighthub.errors import WeighthubError
 from weighthub.format.chunk import decode_chunk
@@ -133,9 +133,10 @@ CTX_ADD, CTX_ANS = 1, 2  # the op byte's bits: add (else xor); the ans coding (e
 
 def ctx(data: bytes) -> object:
     """[CTX_HEADER][positions stream][values stream]: a context-coded segment (ctx or ans) of n
-    elements decoded against `base_words` (codec.ctx.decode_ctx, what staging runs), then
-    applied and rolled back. Beyond the contract: a decode never writes its base, and whatever
-    decodes applies and rolls back bit for bit.
+    elements prepared against `base_words` (codec.prepared.prepare_segment, what staging runs:
+    codec.ctx.decode_changes), then applied from the prepared words and, decoded in the pause
+    (codec.ctx.decode_ctx), from the segment, each rolled back. Beyond the contract: staging
+    never writes its base, and whatever decodes applies and rolls back bit for bit.
     """
     if len(data) < CTX_HEADER.size:
         return None
@@ -152,15 +153,16 @@ def ctx(data: bytes) -> object:
     base = base_words(n, dtype)
     held = readonly(base.copy())
     try:
-        decode_ctx(seg, held, dtype, "fuzz ctx")
+        prep = prepare_segment(seg, held, dtype, "fuzz ctx")
     finally:
-        _same(held, base, "decode_ctx wrote its base")
-    dst, undo = base.copy(), UndoLog()
-    try:
-        apply_segment(seg, dst, dtype, undo, "fuzz ctx")
-    finally:
-        undo.rollback()
-        _same(dst, base, "a ctx segment applied (or refused), then rolled back")
+        _same(held, base, "staging wrote its base")
+    for prepared in (prep, None):
+        dst, undo = base.copy(), UndoLog()
+        try:
+            apply_segment(seg, dst, dtype, undo, "fuzz ctx", prepared=prepared)
+        finally:
+            undo.rollback()
+            _same(dst, base, "a ctx segment applied (or refused), then rolled back")
     return count
 
 

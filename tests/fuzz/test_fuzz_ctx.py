@@ -1,4 +1,5 @@
-"""Fuzz the context-coded segment decoders (codec.ctx.decode_ctx: the ctx and ans kernels)
+"""Fuzz the context-coded segment decoders (staging's codec.prepared over
+codec.ctx.decode_changes, and the pause's codec.ctx.decode_ctx: the ctx and ans kernels)
 directly: streams a writer emits for xor and add changes of every float dtype, then truncated,
 extended, bit-flipped or byte-edited, with counts and ranges edited. A refusal must be a
 FormatError before anything is written, a success must apply and roll back bit for bit

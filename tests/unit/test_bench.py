@@ -322,7 +322,8 @@ def test_codec_speed_times_ans_and_range_side_by_side() -> None:
     speed = codec_speed.measure([throughput.Pair(bits[0], bits[1], dtype_of(old))], reps=1)
     ctx = speed["ctx"]
     assert 0.005 < speed["change_rate"] < 0.2 and ctx["changed"] == speed["changed"]
-    assert set(ctx["mbps"]) == {"ctx_encode", "ctx_decode", "range_encode", "range_decode"}
+    assert set(ctx["mbps"]) == {"ctx_encode", "ctx_decode", "ctx_stage", "range_encode",
+                                "range_decode"}
     assert all(0 < f["worst"] <= f["best"] for f in ctx["mbps"].values())
     # both coders sit far below 4 index bytes + one value word per change
     assert 0 < ctx["wire_bytes"] < ctx["compact_stream_bytes"] / 2

@@ -9,15 +9,21 @@ over `reps` repeats so that every figure sees the same machine noise:
     encode_fast     encode_segment with the `fast` profile (plain gaps, no ctx, no groups)
     ctx_encode      the context coder alone (`compact`'s: ans): codec.ctx.ctx_streams on the
                     scan's compacted changes
-    ctx_decode      codec.ctx.decode_ctx (the context-coded streams → plain gaps + varint/zigzag
-                    against the base words): what a receiver runs while staging
+    ctx_decode      codec.ctx.decode_changes: the context-coded streams decoded and placed
+                    against the base words (positions and values as coded), the decode proper
+    ctx_stage       codec.prepared.prepare_segment of the compact segment: all that a receiver
+                    runs for it while staging (the decode, the held and new words, the digest
+                    halves and the seal), so the pause only scatters
     range_encode, range_decode
-                    the same two for the range coder (`ctx`, coder="range"), side by side
-    pause_staged    apply_segment of the staged segment (the compact one after regap_segment)
-    pause_fast      apply_segment of the same delta coded `fast`
+                    ctx_encode and ctx_decode for the range coder (`ctx`, coder="range"), side
+                    by side
+    pause_staged    the pause of the compact segment as a receiver runs it: the scatter of the
+                    words its staging prepared (codec.prepared), or for what staging does not
+                    prepare (bitmap positions) the apply kernel folding the digest change
+    pause_fast      the same for the delta coded `fast`
 
 Units. xor, scan, encode and pause: GB/s of state (old tensor bytes, 1e9 per second), and
-encode/scan as a ratio to the XOR pass. ctx_encode and ctx_decode: MB/s of *compact stream*,
+encode/scan as a ratio to the XOR pass. ctx_encode, ctx_decode, ctx_stage: MB/s of *compact stream*,
 defined as 4 bytes of position + W bytes of value per changed element (W = the dtype's width:
 6 bytes for bf16), i.e. the size of an int32-index + raw-word listing of the same changes, so
 the figure does not depend on how well the coder compresses; and ns per changed word. They
@@ -40,12 +46,13 @@ import torch
 from ..codec import Positions, Segment, UndoLog, Values, apply_segment, changed_positions, encode_segment
 from ..codec.apply import regap_segment
 from ..codec.coding import CONTEXT_CODINGS, ENCODE_PROFILES, EncodePolicy
-from ..codec.ctx import ctx_streams, decode_ctx
+from ..codec.ctx import ctx_streams, decode_changes
+from ..codec.prepared import PreparedSegment, prepare_segment
 from .throughput import Pair
 
 POSITION_BYTES = 4  # the compact stream's bytes per changed element, besides the value word
 STATE_FIGURES = ("xor", "scan", "encode_compact", "encode_fast", "pause_staged", "pause_fast")
-CTX_FIGURES = ("ctx_encode", "ctx_decode", "range_encode", "range_decode")
+CTX_FIGURES = ("ctx_encode", "ctx_decode", "ctx_stage", "range_encode", "range_decode")
 
 
 @dataclass(slots=True)
@@ -60,6 +67,9 @@ class _Prepared:
     staged: Segment | None
     fast: Segment | None
     ranged: Segment | None  # the compact segment's changes, range-coded (if context-coded)
+    # what a receiver's staging prepares for its pause (None: applied by the kernels there)
+    staged_words: PreparedSegment | None
+    fast_words: PreparedSegment | None
 
 
 def compact_stream_bytes(changed: int, width: int) -> int:
@@ -85,7 +95,9 @@ def _prepare(pairs: Sequence[Pair], compact: EncodePolicy, fast: EncodePolicy) -
             ranged = None if streams is None else replace(c, positions=Positions.CTX,
                                                           values=Values.CTX, pos_bytes=streams[0],
                                                           val_bytes=streams[1])
-        out.append(_Prepared(p, pos, p.old[pos], p.new[pos], c, staged, f, ranged))
+        words = [None if seg is None else prepare_segment(seg, p.old, p.dtype, f"bench tensor {i}")
+                 for seg in (staged, f)]
+        out.append(_Prepared(p, pos, p.old[pos], p.new[pos], c, staged, f, ranged, *words))
     return out
 
 
@@ -122,18 +134,22 @@ def _measure(pairs: Sequence[Pair], reps: int, compact: EncodePolicy,
     scratch = [np.empty_like(p.new) for p in pairs]
     ctx_idx = [i for i, t in enumerate(prep) if t.compact is not None
                and t.compact.positions in CONTEXT_CODINGS and t.ranged is not None]
-    decoded: list[Segment | None] = [None] * n
-    range_decoded: list[Segment | None] = [None] * n
+    decoded: list[tuple[np.ndarray, np.ndarray] | None] = [None] * n
+    range_decoded: list[tuple[np.ndarray, np.ndarray] | None] = [None] * n
+    staged: list[PreparedSegment | None] = [None] * n
 
     def reset() -> None:
         for dst, p in zip(scratch, pairs, strict=True):
             np.copyto(dst, p.old)
 
     def pause(which: str) -> Callable[[int], object]:
-        def work(i: int) -> None:
-            seg = getattr(prep[i], which)
+        def work(i: int) -> None:  # as a receiver's pause runs it, verifying incrementally
+            seg, words = getattr(prep[i], which), getattr(prep[i], f"{which}_words")
             if seg is not None:
-                apply_segment(seg, scratch[i], pairs[i].dtype, UndoLog(), f"bench tensor {i}")
+                folds = (None, None) if words is not None else (np.zeros(2, np.uint64),
+                                                                  np.zeros(2, np.uint64))
+                apply_segment(seg, scratch[i], pairs[i].dtype, UndoLog(), f"bench tensor {i}",
+                              dnew=folds[0], dold=folds[1], prepared=words)
         return work
 
     def encoder(attr: str) -> Callable[[int], object]:
@@ -143,12 +159,17 @@ def _measure(pairs: Sequence[Pair], reps: int, compact: EncodePolicy,
             ctx_streams(t.pair.old, t.pos, t.oldv, t.newv, t.pair.dtype, seg.op, seg.positions)
         return work
 
-    def decoder(attr: str, into: list[Segment | None]) -> Callable[[int], object]:
+    def decoder(attr: str, into: list[tuple[np.ndarray, np.ndarray] | None]) -> Callable[[int], object]:
         def work(i: int) -> None:
             seg = getattr(prep[i], attr)
             assert seg is not None
-            into[i] = decode_ctx(seg, pairs[i].old, pairs[i].dtype, f"bench tensor {i}")
+            into[i] = decode_changes(seg, pairs[i].old, pairs[i].dtype, f"bench tensor {i}")
         return work
+
+    def stager(i: int) -> None:
+        seg = prep[i].compact
+        assert seg is not None
+        staged[i] = prepare_segment(seg, pairs[i].old, pairs[i].dtype, f"bench tensor {i}")
 
     every = range(n)
     figures: dict[str, tuple[Callable[[int], object], Sequence[int], bool]] = {
@@ -160,6 +181,7 @@ def _measure(pairs: Sequence[Pair], reps: int, compact: EncodePolicy,
                                                  tensor=i, start=0, policy=fast), every, False),
         "ctx_encode": (encoder("compact"), ctx_idx, False),
         "ctx_decode": (decoder("compact", decoded), ctx_idx, False),
+        "ctx_stage": (stager, ctx_idx, False),
         "range_encode": (encoder("ranged"), ctx_idx, False),
         "range_decode": (decoder("ranged", range_decoded), ctx_idx, False),
         "pause_staged": (pause("staged"), every, True),
@@ -172,12 +194,14 @@ def _measure(pairs: Sequence[Pair], reps: int, compact: EncodePolicy,
             work(i)
         if resets:
             _check_exact(name, scratch, pairs)
-    for i in ctx_idx:
-        want = prep[i].staged
+    for i in ctx_idx:  # the changes the scan found, and (through the stage) their words
+        t, words = prep[i], staged[i]
         for got in (decoded[i], range_decoded[i]):
-            if got is None or want is None or not (np.array_equal(got.pos_bytes, want.pos_bytes)
-                                                   and np.array_equal(got.val_bytes, want.val_bytes)):
-                raise RuntimeError(f"decode_ctx of tensor {i} differs from regap_segment's")
+            if got is None or not np.array_equal(got[0], t.pos):
+                raise RuntimeError(f"decode_changes of tensor {i}: not the scan's positions")
+        if words is None or not (np.array_equal(words.pos, t.pos) and np.array_equal(words.old, t.oldv)
+                                 and np.array_equal(words.new, t.newv)):
+            raise RuntimeError(f"prepare_segment of tensor {i}: not the delta's words")
     secs: dict[str, list[float]] = {name: [] for name in figures}
     for _ in range(reps):  # round-robin: every figure sees the same stretch of machine noise
         for name, (work, idx, resets) in figures.items():

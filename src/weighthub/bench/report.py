@@ -15,7 +15,7 @@ JSON document (keys other tools read are marked *):
     codec_speed  [{step, change_rate, in_range (1–3%), gbps: {xor, scan, encode_compact,
                  encode_fast, pause_staged, pause_fast: spread}, ratio_to_xor, pause_ratio,
                  ctx: {changed, compact_stream_bytes, mbps: {ctx_encode, ctx_decode,
-                 range_encode, range_decode: spread},
+                 ctx_stage, range_encode, range_decode: spread},
                  ns_per_word}}], one thread (bench.codec_speed)
     e2e_seconds  publish → pull through a LocalStore: {median, max} over steps
     composition  [{k, composed_bytes, singles_bytes, ratio, …}]
@@ -185,20 +185,24 @@ def _codec_speed(runs: list[dict[str, Any]]) -> list[str]:
            "(np.bitwise_xor into a preallocated buffer). Steps: those with 1–3% of the words "
            "changed, nearest 2% first; a run with none gets its step nearest 2% (marked *, its "
            "encode-ratio target not checked). Context coder (codec.ctx.ctx_streams on the scan's "
-           "changes) and context decode (codec.ctx.decode_ctx, what a receiver runs while "
-           "staging), for `compact`'s ans coder and, on the same changes, the range coder (ctx) "
-           "it replaced: MB/s of compact stream = 4 bytes of position + W bytes of value per "
-           "changed word, and ns per changed word. Pause: apply_segment of the staged (regapped) "
-           "segment vs the same delta coded `fast`.", ""]
+           "changes), context decode (codec.ctx.decode_changes: positions and values placed "
+           "against the old words) and the whole staging of a segment (codec.prepared: the "
+           "decode, the old and new words, digest halves and seal), for `compact`'s ans coder "
+           "and, on the same changes, the range coder (ctx) it replaced: MB/s of compact "
+           "stream = 4 bytes of position + W bytes of value per changed word, and ns per "
+           "changed word. Pause: as a receiver runs it (the scatter of the words staging "
+           "prepared, else the apply kernel folding the digest change), the compact delta vs "
+           "the same delta coded `fast`.", ""]
     head = ["run", "step", "changed", "xor", "scan", "encode compact", "encode fast",
-            "ans coder MB/s, ns/word", "ans decode MB/s, ns/word", "range coder", "range decode",
+            "ans coder MB/s, ns/word", "ans decode MB/s, ns/word", "ans stage MB/s, ns/word",
+            "range coder", "range decode",
             "pause staged", "pause fast"]
     body = []
     for r, e in rows:
         g, x, c = e["gbps"], e["ratio_to_xor"], e["ctx"]
         ctx_cells = [f"{c['mbps'][k]['best']:.0f} ({c['mbps'][k]['worst']:.0f}–"
                      f"{c['mbps'][k]['best']:.0f}) {c['ns_per_word'][k]:.1f} ns" if c["changed"]
-                     else "–" for k in ("ctx_encode", "ctx_decode")]
+                     else "–" for k in ("ctx_encode", "ctx_decode", "ctx_stage")]
         ctx_cells += [f"{c['mbps'][k]['best']:.0f} {c['ns_per_word'][k]:.0f} ns" if c["changed"]
                       else "–" for k in ("range_encode", "range_decode")]
         body.append([r["trajectory"], f"{e['step']}{'' if e['in_range'] else '*'}",

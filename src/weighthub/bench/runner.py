@@ -235,7 +235,8 @@ def _codec_speed(traj: TrajectoryLike, steps: list[dict[str, Any]], cfg: BenchCo
                  f"{m['ctx']['ns_per_word']['ctx_encode']:.0f} ns/change (range coder "
                  f"{m['ctx']['ns_per_word']['range_encode']:.0f}), ans decode "
                  f"{m['ctx']['mbps']['ctx_decode']['best']:.0f} MB/s (range "
-                 f"{m['ctx']['mbps']['range_decode']['best']:.0f}), pause "
+                 f"{m['ctx']['mbps']['range_decode']['best']:.0f}), ans stage "
+                 f"{m['ctx']['mbps']['ctx_stage']['best']:.0f} MB/s, pause "
                  f"{m['pause_ratio']:.2f}× fast")
     return out
 

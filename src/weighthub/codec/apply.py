@@ -20,7 +20,7 @@ from .coding import CONTEXT_CODINGS, Op, Positions, check_coding
 from .ctx import decode_ctx
 from .encode import encode_gaps, width_masks
 from .prepared import PreparedSegment, apply_prepared
-from .segment import Segment, UndoEntry, UndoLog, check_sparse, check_status
+from .segment import Segment, UndoEntry, UndoLog, bitmap_positions, check_sparse, check_status
 
 _NO_SUM = np.zeros(0, np.uint64)  # a digest sum not wanted (the kernels test its length)
 
@@ -96,23 +96,6 @@ def regap_segment(seg: Segment, base: np.ndarray, dtype: DType, where: str) -> S
                                       readonly(seg.pos_bytes[offset:]), seg.count, pos)
     check_status(status, where)
     return replace(seg, positions=Positions.GAPS, pos_bytes=encode_gaps(pos))
-
-
-def bitmap_positions(seg: Segment, where: str) -> np.ndarray:
-    """The int64 positions of a bitmap-coded segment (spec §2), checked against its header.
-
-    Raises FormatError for a bitmap of the wrong size, set padding bits or a popcount other
-    than the segment's count.
-    """
-    n = seg.numel
-    if seg.pos_bytes.size != (n + 7) // 8:
-        raise FormatError(f"{where}: bitmap of {seg.pos_bytes.size} bytes for {n} elements")
-    if n % 8 and int(seg.pos_bytes[-1]) >> (n % 8):
-        raise FormatError(f"{where}: bitmap padding bits past element {n} are set")
-    pos = np.flatnonzero(np.unpackbits(seg.pos_bytes, count=n, bitorder="little"))
-    if pos.size != seg.count:
-        raise FormatError(f"{where}: bitmap has {pos.size} positions, header says {seg.count}")
-    return pos.astype(np.int64, copy=False)
 
 
 def _sum(out: np.ndarray | None) -> np.ndarray:

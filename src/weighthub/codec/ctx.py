@@ -5,9 +5,11 @@ Both code the same information (exponent-group keys, ranks within the group, val
 
 `ctx_streams` builds either coding's streams from a scan's compacted changes (work ∝ changed
 elements, plus one pass over the old words to rank each change within its exponent group);
-`decode_ctx` turns a context-coded segment back into plain gaps and varint/zigzag values against
-the base words, which is what a receiver does while staging so that the pause runs the same fast
-gap kernel as ever; `decode_ranks` stops before the placement, for a base held on a device.
+`decode_changes` decodes a context-coded segment against the base words into its positions and
+values as coded (what a receiver's staging prepares the pause's words from, `codec.prepared`);
+`decode_ctx` re-codes those as plain gaps and varint/zigzag values, for the paths that apply
+or digest a gap-coded segment; `decode_ranks` stops before the placement, for a base held on a
+device.
 """
 
 from __future__ import annotations
@@ -135,6 +137,26 @@ def decode_ranks(seg: Segment, dtype: DType, where: str
     return gkey[:ngroups], gstart[:ngroups + 1], ranks, zs
 
 
+def decode_changes(seg: Segment, base: np.ndarray, dtype: DType,
+                   where: str) -> tuple[np.ndarray, np.ndarray]:
+    """The positions (int64, increasing) and the values as coded (uint64: the XOR, or the
+    zigzag difference of an add) of a context-coded segment, placed against `base` (the range's
+    words the segment applies to; read only).
+
+    Raises:
+        FormatError: corrupt or hostile streams (refused before any work proportional to a
+            declared count that the streams cannot hold).
+    """
+    gkey, gstart, ranks, zs = decode_ranks(seg, dtype, where)
+    count = seg.count
+    pos = np.empty(count, np.int64)
+    z = np.empty(count, np.uint64)
+    status = C.ctx_place(readonly(base), dtype.exponent_shift, np.uint64(dtype.exponent_mask),
+                         gkey, gstart, gkey.size, ranks, zs, pos, z)
+    check_status(int(status), where)
+    return pos, z
+
+
 def decode_ctx(seg: Segment, base: np.ndarray, dtype: DType, where: str) -> Segment:
     """The same segment with its context-coded streams (ctx or ans) re-coded as plain gaps and
     varint/zigzag values, decoded against `base` (the range's words the segment applies to;
@@ -146,17 +168,12 @@ def decode_ctx(seg: Segment, base: np.ndarray, dtype: DType, where: str) -> Segm
     """
     if seg.positions not in CONTEXT_CODINGS:
         return seg
-    gkey, gstart, ranks, zs = decode_ranks(seg, dtype, where)
+    pos, z = decode_changes(seg, base, dtype, where)
     count = seg.count
-    out_pos = np.empty(count, np.int64)
-    out_z = np.empty(count, np.uint64)
-    status = C.ctx_place(readonly(base), dtype.exponent_shift, np.uint64(dtype.exponent_mask),
-                         gkey, gstart, gkey.size, ranks, zs, out_pos, out_z)
-    check_status(int(status), where)
     gaps = np.empty(10 * count + 16, np.uint8)
-    glen = K.encode_gaps(readonly(out_pos), count, gaps)
+    glen = K.encode_gaps(readonly(pos), count, gaps)
     vals = np.empty(10 * count + 16, np.uint8)
-    vlen = K.encode_varints(readonly(out_z), count, vals)
+    vlen = K.encode_varints(readonly(z), count, vals)
     return replace(seg, positions=Positions.GAPS,
                    values=Values.VARINT if seg.op == Op.XOR else Values.ZIGZAG,
                    pos_bytes=gaps[:glen], val_bytes=vals[:vlen])

@@ -17,9 +17,9 @@ from ..digest.linear import digest_affine, digest_at
 from ..errors import FormatError, UsageError
 from ..tensors import DType, readonly
 from . import kernels as K
-from .apply import bitmap_positions, regap_segment
+from .apply import regap_segment
 from .coding import Op, Positions, check_coding
-from .segment import Segment, check_status
+from .segment import Segment, bitmap_positions, check_status
 
 
 def staged_old_digest(seg: Segment, base: np.ndarray, dtype: DType, where: str) -> bytes:

@@ -1,11 +1,12 @@
 """Prepared segments: a delta's words computed while staging, so the pause is a checked scatter.
 
 The first delta of a receiver's route applies to the bits the target holds now, and they do not
-change before the pause (the receiver's lock, and `held` checked under it). So while staging a
-gap-coded sparse segment (every grouped or context-coded one is re-coded to gaps there,
-`regap_segment`) is decoded against those bits: its positions, the words there now, the words
-it writes, both halves of the digest change Σ mix(new) − Σ mix(old) (spec §4), and a seal of
-the words it writes (`seal_of`). The pause then only writes the new words (`apply_prepared`):
+change before the pause (the receiver's lock, and `held` checked under it). So while staging
+every sparse segment (context-coded ones placed straight from their coder, `ctx.decode_changes`;
+grouped ones re-coded to gaps first, `regap_segment`; gap and bitmap positions as they are) is
+decoded against those bits: its positions, the words there now, the words it writes, both
+halves of the digest change Σ mix(new) − Σ mix(old) (spec §4), and a seal of the words it
+writes (`seal_of`). The pause then only writes the new words (`apply_prepared`):
 - each word it overwrites must be the one staged (any difference means the target was changed
   outside the receiver: BaseMismatch, rolled back like any failed apply);
 - the words it wrote must be the ones staged: after the scatter the staged words are sealed
@@ -38,10 +39,11 @@ from ..digest.mix import fold
 from ..errors import BaseMismatch, FormatError, IntegrityError, UsageError
 from ..kernel_cache import njit
 from ..tensors import DType, readonly
-from .coding import Op, Positions
+from .coding import CONTEXT_CODINGS, Op, Positions
+from .ctx import decode_changes
 from .encode import width_masks
-from .kernels import _combine, decode_gap_stream
-from .segment import Segment, UndoEntry, UndoLog, check_sparse, check_status
+from .kernels import _combine, decode_gap_stream, decode_value_stream
+from .segment import Segment, UndoEntry, UndoLog, bitmap_positions, check_sparse, check_status
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,24 +63,36 @@ class PreparedSegment:
 def prepare_segment(seg: Segment, base: np.ndarray, dtype: DType,
                     where: str) -> PreparedSegment | None:
     """`seg` decoded against `base` (the held words of exactly its range, read only); None for
-    what is not prepared (dense segments, bitmap positions: they apply as before).
+    what is not prepared (dense segments, whose words are the frame's; grouped positions, which
+    staging re-codes as gaps first).
 
     Raises:
         UsageError: `base` is not the segment's range in the dtype's words.
         FormatError: as the apply kernels would in the pause; a count the gap stream cannot
             hold is refused before anything is allocated.
     """
-    if seg.op == Op.DENSE or seg.positions != Positions.GAPS:
+    if seg.op == Op.DENSE or seg.positions == Positions.GROUPS:
         return None
     check_sparse(seg, dtype, base, where)
-    if seg.count > seg.pos_bytes.size:  # every gap takes at least one byte
-        raise FormatError(f"{where}: {seg.count} changes in a {seg.pos_bytes.size}-byte gap stream")
     mask, _ = width_masks(dtype)
-    pos = np.empty(seg.count, np.int64)
-    z = np.empty(seg.count, np.uint64)  # the values as coded: transient, off the pause
-    status = decode_gap_stream(readonly(seg.pos_bytes), int(seg.values), readonly(seg.val_bytes),
-                               seg.count, seg.numel, dtype.width, pos, z)
-    check_status(status, where)
+    # the values as coded (z): transient, off the pause
+    if seg.positions in CONTEXT_CODINGS:  # placed straight from the coder, no gap re-coding
+        pos, z = decode_changes(seg, base, dtype, where)
+    elif seg.positions == Positions.BITMAP:
+        pos = bitmap_positions(seg, where)  # its size and popcount checked: ≤ numel
+        z = np.empty(seg.count, np.uint64)
+        check_status(decode_value_stream(int(seg.values), readonly(seg.val_bytes), seg.count,
+                                         dtype.width, z), where)
+    else:
+        if seg.count > seg.pos_bytes.size:  # every gap takes at least one byte
+            raise FormatError(f"{where}: {seg.count} changes in a {seg.pos_bytes.size}-byte gap "
+                              "stream")
+        pos = np.empty(seg.count, np.int64)
+        z = np.empty(seg.count, np.uint64)
+        status = decode_gap_stream(readonly(seg.pos_bytes), int(seg.values),
+                                   readonly(seg.val_bytes), seg.count, seg.numel, dtype.width,
+                                   pos, z)
+        check_status(status, where)
     old = np.empty(seg.count, dtype.uint)
     new = np.empty(seg.count, dtype.uint)
     combine_prepared(readonly(base), pos, z, int(seg.op), mask, old, new)

@@ -120,3 +120,20 @@ def check_sparse(seg: Segment, dtype: DType, words: np.ndarray, where: str) -> N
     check_coding(seg.op, seg.positions, seg.values, where, is_float=dtype.is_float)
     if not 0 <= seg.count <= seg.numel:
         raise FormatError(f"{where}: {seg.count} changes in a range of {seg.numel} elements")
+
+
+def bitmap_positions(seg: Segment, where: str) -> np.ndarray:
+    """The int64 positions of a bitmap-coded segment (spec §2), checked against its header.
+
+    Raises FormatError for a bitmap of the wrong size, set padding bits or a popcount other
+    than the segment's count.
+    """
+    n = seg.numel
+    if seg.pos_bytes.size != (n + 7) // 8:
+        raise FormatError(f"{where}: bitmap of {seg.pos_bytes.size} bytes for {n} elements")
+    if n % 8 and int(seg.pos_bytes[-1]) >> (n % 8):
+        raise FormatError(f"{where}: bitmap padding bits past element {n} are set")
+    pos = np.flatnonzero(np.unpackbits(seg.pos_bytes, count=n, bitorder="little"))
+    if pos.size != seg.count:
+        raise FormatError(f"{where}: bitmap has {pos.size} positions, header says {seg.count}")
+    return pos.astype(np.int64, copy=False)

@@ -30,10 +30,10 @@ import torch
 
 from ..codec import device as D
 from ..codec import kernels as K
-from ..codec.apply import bitmap_positions, group_table
+from ..codec.apply import group_table
 from ..codec.coding import CONTEXT_CODINGS, Op, Positions, check_coding
 from ..codec.ctx import check_ctx_count, decode_ranks
-from ..codec.segment import Segment, UndoLog, check_status
+from ..codec.segment import Segment, UndoLog, bitmap_positions, check_status
 from ..digest import device as digest_device
 from ..errors import FormatError, UsageError
 from ..tensors import DType, readonly

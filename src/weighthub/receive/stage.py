@@ -127,14 +127,24 @@ class EarlyDecodings(Protocol):
 def decode_first(frame: ChunkFrame, specs: list[TensorSpec], base_bits: Mapping[str, Words],
                  where: str, *, inverse: bool, incremental: bool) -> FirstDecoding:
     """What staging computes for a chunk of a route's first step from the held bits: its
-    exponent-grouped and ctx positions re-coded against them (`regap`), its words for a host
-    tensor (`prepare`, applied forwards) or a device one (`device_decoded`: the pause only
-    copies compact arrays up and applies), the digest lanes of the words it replaces for the
-    others (`old_digest`, with incremental verification)."""
+    words for a host tensor (`prepare`, applied forwards: context-coded segments decoded
+    straight into them) or a device one (`device_decoded`: the pause only copies compact arrays
+    up and applies), exponent-grouped and ctx positions not prepared re-coded against the held
+    bits (`regap`), and the digest lanes of the words it replaces for the others (`old_digest`,
+    with incremental verification)."""
     decoded = [device_decoded(seg, specs, base_bits, where) for seg in frame.segments]
-    regapped = ChunkFrame(tuple(regap(seg, specs, base_bits, where) for seg in frame.segments))
-    prepared = [None if inverse else prepare(seg, specs, base_bits, where)
-                for seg in regapped.segments]
+
+    def staged(seg: Segment) -> tuple[Segment, PreparedSegment | None]:
+        if not inverse and seg.positions in CONTEXT_CODINGS:
+            prep = prepare(seg, specs, base_bits, where)
+            if prep is not None:  # placed straight from its coder: no re-coding as gaps
+                return seg, prep
+        seg = regap(seg, specs, base_bits, where)
+        return seg, None if inverse else prepare(seg, specs, base_bits, where)
+
+    pairs = [staged(seg) for seg in frame.segments]
+    regapped = ChunkFrame(tuple(seg for seg, _ in pairs))
+    prepared = [prep for _, prep in pairs]
     olds = ([None if prep is not None else old_digest(seg, specs, base_bits, where)
              for seg, prep in zip(regapped.segments, prepared, strict=True)]
             if incremental else None)
@@ -209,7 +219,8 @@ def old_digest(seg: Segment, specs: list[TensorSpec], base_bits: Mapping[str, Wo
 def prepare(seg: Segment, specs: list[TensorSpec], base_bits: Mapping[str, Words],
             where: str) -> PreparedSegment | None:
     """The segment's words against the held bits of its host tensor (None: not prepared: a
-    device tensor, a dense or bitmap segment, or a mismatch the apply step reports properly)."""
+    device tensor, a dense or exponent-grouped segment, or a mismatch the apply step reports
+    properly)."""
     spec = specs[seg.tensor] if seg.tensor < len(specs) else None
     base = _host_base(base_bits, spec) if spec is not None else None
     if spec is None or base is None:

@@ -15,8 +15,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from ..codec import Positions
-from ..codec.apply import bitmap_positions
-from ..codec.segment import Segment
+from ..codec.segment import Segment, bitmap_positions
 from ..errors import FormatError
 from ..targets.base import host_views
 from ..tensors import Words
