@@ -29,7 +29,8 @@ defined as 4 bytes of position + W bytes of value per changed element (W = the d
 the figure does not depend on how well the coder compresses; and ns per changed word. They
 cover the tensors whose compact segment is ctx-coded (the others have no ctx stream).
 
-Every figure is the best of `reps` passes, with the median and worst kept as the spread.
+Every figure is the best of `reps` passes (a pause: of PAUSE_PASSES runs in each), with the
+median and worst kept as the spread.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from .throughput import Pair
 POSITION_BYTES = 4  # the compact stream's bytes per changed element, besides the value word
 STATE_FIGURES = ("xor", "scan", "encode_compact", "encode_fast", "pause_staged", "pause_fast")
 CTX_FIGURES = ("ctx_encode", "ctx_decode", "ctx_stage", "range_encode", "range_decode")
+PAUSE_PASSES = 8  # timed runs of each pause per pass (each short; see _measure)
 
 
 @dataclass(slots=True)
@@ -205,12 +207,15 @@ def _measure(pairs: Sequence[Pair], reps: int, compact: EncodePolicy,
     secs: dict[str, list[float]] = {name: [] for name in figures}
     for _ in range(reps):  # round-robin: every figure sees the same stretch of machine noise
         for name, (work, idx, resets) in figures.items():
-            if resets:
-                reset()
-            t0 = time.perf_counter()
-            for i in idx:
-                work(i)
-            secs[name].append(time.perf_counter() - t0)
+            # a pause (~2 ms on MiniLM) is timed PAUSE_PASSES times per pass: best of 3 put
+            # two identical scatters 0.85-0.95x apart (alternated, best of 20 each: 0.97x)
+            for _ in range(PAUSE_PASSES if resets else 1):
+                if resets:
+                    reset()
+                t0 = time.perf_counter()
+                for i in idx:
+                    work(i)
+                secs[name].append(time.perf_counter() - t0)
     return _result(prep, ctx_idx, secs)
 
 

@@ -293,9 +293,8 @@ def ans_decode_ranks(n, size, vbits, pos_buf, val_buf, count, gkey, gstart, rank
     for grp in range(ngroups):
         k = gk[grp]
         r = np.int64(-1)
+        model_enter(qcum, qcnt, 0, Q_ALPHABET, grp)  # every group codes at least one change
         for t in range(gstart[grp], gstart[grp + 1]):
-            if qcnt[0, Q_ALPHABET + 2] != grp:
-                model_enter(qcum, qcnt, 0, Q_ALPHABET, grp)
             q, xa, xb, i = dec_symbol(xa, xb, i, pos_buf, qcum, 0)
             if observe(qcnt, 0, Q_ALPHABET, q):
                 model_rebuild(qcum, qcnt, 0, Q_ALPHABET)
@@ -324,9 +323,8 @@ def ans_decode_ranks(n, size, vbits, pos_buf, val_buf, count, gkey, gstart, rank
     hcum, hcnt = models(1, ha)
     ccum, ccnt = models(chunk_contexts(vbits), CHUNK_ALPHABET)
     for grp in range(ngroups):
+        model_enter(hcum, hcnt, 0, ha, grp)  # every group codes at least one change
         for t in range(gstart[grp], gstart[grp + 1]):
-            if hcnt[0, ha + 2] != grp:
-                model_enter(hcum, hcnt, 0, ha, grp)
             h, xa, xb, i = dec_symbol(xa, xb, i, val_buf, hcum, 0)
             if observe(hcnt, 0, ha, h):
                 model_rebuild(hcum, hcnt, 0, ha)
