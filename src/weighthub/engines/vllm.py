@@ -240,6 +240,7 @@ class WeighthubWorker:
                   manifest_sha256: str | None = None) -> dict[str, Any]:
         self._wh_staged = None  # a failed stage leaves nothing staged
         receiver, _target = self._wh_receiver(store_url)
+        cpu0 = time.process_time()
         staged = _staged_relayed(receiver, version, manifest, manifest_sha256)
         relayed = staged is not None
         if staged is None:
@@ -247,7 +248,10 @@ class WeighthubWorker:
         self._wh_staged = (store_url, receiver, staged)
         return {"version": staged.version, "from_version": staged.from_version,
                 "route": list(staged.route), "bytes_fetched": staged.bytes_fetched,
-                "stage_s": staged.stage_seconds, "served": dict(receiver.sources.served),
+                "stage_s": staged.stage_seconds,
+                # CPU of the whole worker process meanwhile (every thread: staging's and vLLM's)
+                "stage_process_cpu_s": time.process_time() - cpu0,
+                "served": dict(receiver.sources.served),
                 "relayed_manifest": relayed, "early_chunks": receiver.early_used}
 
     def _wh_refit(self, version: int | None, store_url: str | None) -> dict[str, Any]:

@@ -80,6 +80,9 @@ def _engine_figures(refit: dict[str, Any]) -> dict[str, float]:
     staged = refit["staged"] or {}
     return {"node_wait_s": staged.get("node_wait_s", 0.0),
             "stage_s": staged.get("stage_s", refit["stage_s"]),
+            # CPU the engine's worker process used meanwhile (all its threads): near stage_s,
+            # staging ran on a core of its own; far above, vLLM's threads ran alongside
+            "stage_process_cpu_s": staged.get("stage_process_cpu_s", float("nan")),
             # chunks decoded while they were being published (before the commit)
             "early_chunks": staged.get("early_chunks", 0),
             "turn_wait_s": refit["turn_wait_s"], "serve_wait_s": refit["serve_wait_s"],
