@@ -19,7 +19,7 @@ over `reps` repeats so that every figure sees the same machine noise:
                     by side
     pause_staged    the pause of the compact segment as a receiver runs it: the scatter of the
                     words its staging prepared (codec.prepared), or for what staging does not
-                    prepare (bitmap positions) the apply kernel folding the digest change
+                    prepare (dense segments) the apply kernel folding the digest change
     pause_fast      the same for the delta coded `fast`
 
 Units. xor, scan, encode and pause: GB/s of state (old tensor bytes, 1e9 per second), and
