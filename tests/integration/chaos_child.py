@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -214,6 +216,8 @@ def standby_main() -> None:
 
 
 def main(argv: list[str]) -> None:
+    # the test asks for every thread's stack (on stderr) when an answer is overdue
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if argv == ["standby"]:
         standby_main()
         return

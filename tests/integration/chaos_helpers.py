@@ -149,8 +149,19 @@ class ChildProcess:
                 if left <= 0 or self._eof:
                     raise TimeoutError(f"{self.name}: no {what} within {timeout:g}s (exit "
                                        f"{self.proc.poll()}); events {self.events[-4:]}; stderr:\n"
-                                       + "".join(self.stderr[-20:]))
+                                       + self._stacks())
                 self._new.wait(min(left, 0.5))
+
+    def _stacks(self) -> str:
+        """The end of stderr, with every thread's stack if the process still runs (the child
+        dumps them on SIGUSR1): where an overdue answer is stuck."""
+        lines = len(self.stderr)
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(2.0)  # the stderr reader collects the dump
+            return "".join(self.stderr[max(0, lines - 20):])
+        return "".join(self.stderr[-20:])
 
     @property
     def address(self) -> str:
