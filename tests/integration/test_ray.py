@@ -29,6 +29,7 @@ from vllm_model import CONFIG
 from weighthub import catalog
 from weighthub.cluster.hubclient import HubClient
 from weighthub.errors import AttestationError, ModelMismatch
+from weighthub.integrations.ray.heap import REFIT_MALLOC_ENV
 from weighthub.store import open_store
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -135,6 +136,12 @@ def test_grpo_steps_refit_every_engine_bit_exact(run: dict[str, Any]) -> None:
     # the trainer froze its start-up heap: a full collection mid-publish walks only the steps'
     # objects (`heap`)
     assert run["ray"].get(loop.trainer.__ray_call__.remote(lambda _self: gc.get_freeze_count())) > 0
+    # the trainer and the engines keep freed pages for the next publish or staging (`heap`)
+    for actor in (loop.trainer, *loop.engines):
+        env = run["ray"].get(actor.__ray_call__.remote(lambda _self: dict(os.environ)))
+        assert {k: env.get(k) for k in REFIT_MALLOC_ENV} == REFIT_MALLOC_ENV
+    for e in (e for row in rows for e in row["per_engine"]):  # measured in the engine's process
+        assert e["stage_minor_faults"] >= 0 and e["stage_process_sys_s"] >= 0, e
     held = run["sync"].wait_nodes(rows[-1]["version"], timeout=30)
     assert {h["version"] for h in held.values()} == {rows[-1]["version"]}
     # each engine read every chunk its node's daemon was pushed (by the relay tree) from the

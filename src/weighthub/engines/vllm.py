@@ -45,6 +45,7 @@ not been tested against (the restore is tested with a loader that fails between 
 from __future__ import annotations
 
 import contextlib
+import resource
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -240,17 +241,21 @@ class WeighthubWorker:
                   manifest_sha256: str | None = None) -> dict[str, Any]:
         self._wh_staged = None  # a failed stage leaves nothing staged
         receiver, _target = self._wh_receiver(store_url)
-        cpu0 = time.process_time()
+        cpu0, use0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
         staged = _staged_relayed(receiver, version, manifest, manifest_sha256)
         relayed = staged is not None
         if staged is None:
             staged = receiver.stage(version)
         self._wh_staged = (store_url, receiver, staged)
+        use = resource.getrusage(resource.RUSAGE_SELF)
         return {"version": staged.version, "from_version": staged.from_version,
                 "route": list(staged.route), "bytes_fetched": staged.bytes_fetched,
                 "stage_s": staged.stage_seconds,
                 # CPU of the whole worker process meanwhile (every thread: staging's and vLLM's)
                 "stage_process_cpu_s": time.process_time() - cpu0,
+                # of which in the kernel, and the pages first touched (fresh allocations)
+                "stage_process_sys_s": use.ru_stime - use0.ru_stime,
+                "stage_minor_faults": use.ru_minflt - use0.ru_minflt,
                 "served": dict(receiver.sources.served),
                 "relayed_manifest": relayed, "early_chunks": receiver.early_used}
 

@@ -1,12 +1,13 @@
 """weighthub on Ray: a sync group's hub and node daemons as actors; trainer and rollout actors.
 
     import ray
-    from weighthub.integrations.ray import WeightSync, VLLMRollout
+    from weighthub.integrations.ray import REFIT_MALLOC_ENV, WeightSync, VLLMRollout
 
     ray.init()
     sync = WeightSync.create("s3://bucket/policy")    # hub + one node daemon per Ray node
     publisher = sync.publisher()                      # trainer: publisher.publish(state_dict)
-    engine = ray.remote(VLLMRollout).options(max_concurrency=2).remote("e0", checkpoint_dir)
+    engine = ray.remote(VLLMRollout).options(max_concurrency=2, runtime_env={
+        "env_vars": REFIT_MALLOC_ENV}).remote("e0", checkpoint_dir)
     sync.attach_engine(engine)
     engine.weighthub_stage.remote(version)            # background, while it generates
     ray.get(engine.weighthub_refit.remote(version))   # the pause: apply, verify, commit
@@ -25,7 +26,8 @@
     loop      GRPOLoop / RLConfig: the end-to-end run and its side-by-side baseline
     cluster   local_cluster: real raylets on one machine
     heap      freeze_startup_heap: full collections skip the start-up heap (a trainer of your
-              own: call it once the model, optimizer and publisher exist)
+              own: call it once the model, optimizer and publisher exist); REFIT_MALLOC_ENV:
+              the environment that keeps freed pages for the next staging or publish
     example   `weighthub demo --rl`; options: its command-line options (light to import)
 """
 
@@ -35,17 +37,17 @@ from ...lazy import lazy_exports
 
 if TYPE_CHECKING:  # the names resolve on first use: the CLI imports `options` without Ray
     from .attest import Attestation, PolicyLedger, drift
-    from .heap import freeze_startup_heap
+    from .heap import REFIT_MALLOC_ENV, freeze_startup_heap
     from .rollout import RolloutEngine, VLLMRollout
     from .spec import NodeSpec, SyncSpec
     from .sync import WeightSync
 
 __getattr__ = lazy_exports(globals(), {
     "attest": frozenset({"Attestation", "PolicyLedger", "drift"}),
-    "heap": frozenset({"freeze_startup_heap"}),
+    "heap": frozenset({"REFIT_MALLOC_ENV", "freeze_startup_heap"}),
     "rollout": frozenset({"RolloutEngine", "VLLMRollout"}),
     "spec": frozenset({"NodeSpec", "SyncSpec"}),
     "sync": frozenset({"WeightSync"}),
 })
-__all__ = ["Attestation", "NodeSpec", "PolicyLedger", "RolloutEngine", "SyncSpec", "VLLMRollout",
-           "WeightSync", "drift", "freeze_startup_heap"]
+__all__ = ["REFIT_MALLOC_ENV", "Attestation", "NodeSpec", "PolicyLedger", "RolloutEngine",
+           "SyncSpec", "VLLMRollout", "WeightSync", "drift", "freeze_startup_heap"]

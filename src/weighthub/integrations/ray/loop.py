@@ -28,12 +28,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import UsageError
+from .heap import REFIT_MALLOC_ENV
 from .rollout import VLLMRollout
 from .sync import WeightSync
 from .trainer import GRPOTrainer
 
 DEAD_GRACE_S = 10.0  # how long a rollout actor must read as dead before it is replaced
 SETTLE_TIMEOUT_S = 60.0  # the longest wait for a quiet link after the baseline
+# the trainer and the engines publish or stage every step: they keep freed pages (`heap`)
+REFIT_RUNTIME_ENV = {"env_vars": REFIT_MALLOC_ENV}
 
 
 @dataclass(slots=True)
@@ -83,6 +86,8 @@ def _engine_figures(refit: dict[str, Any]) -> dict[str, float]:
             # CPU the engine's worker process used meanwhile (all its threads): near stage_s,
             # staging ran on a core of its own; far above, vLLM's threads ran alongside
             "stage_process_cpu_s": staged.get("stage_process_cpu_s", float("nan")),
+            "stage_process_sys_s": staged.get("stage_process_sys_s", float("nan")),
+            "stage_minor_faults": staged.get("stage_minor_faults", -1),
             # chunks decoded while they were being published (before the commit)
             "early_chunks": staged.get("early_chunks", 0),
             "turn_wait_s": refit["turn_wait_s"], "serve_wait_s": refit["serve_wait_s"],
@@ -133,7 +138,7 @@ class GRPOLoop:
         c = self.config
         nodes = sorted(self.sync.spec.nodes)
         here = ray.get_runtime_context().get_node_id()
-        self.trainer = _pinned(GRPOTrainer, here, num_cpus=0).remote(
+        self.trainer = _pinned(GRPOTrainer, here, num_cpus=0, runtime_env=REFIT_RUNTIME_ENV).remote(
             c.model, self.sync.spec, c.work_dir, lr=c.lr, max_lag=c.lag, seed=c.seed, encode=c.encode)
         self.initial = ray.get(self.trainer.start.remote())
         args = {"skip_tokenizer_init": True, "enforce_eager": True, "max_model_len": 256,
@@ -154,7 +159,8 @@ class GRPOLoop:
         """Rollout actor `i` on `node`, attached at start-up (so also after a Ray restart:
         `max_restarts`), from the initial checkpoint. max_concurrency 2: a refit stages beside
         a generation (both guarded inside the actor)."""
-        return _pinned(VLLMRollout, node, num_cpus=0, max_concurrency=2, max_restarts=2).remote(
+        return _pinned(VLLMRollout, node, num_cpus=0, max_concurrency=2, max_restarts=2,
+                       runtime_env=REFIT_RUNTIME_ENV).remote(
             f"engine{i}", self.initial["checkpoint"], sync=self.sync.spec,
             version=self.initial["version"], plain_cpu_weights=self.config.plain_cpu_weights,
             **args)
