@@ -136,8 +136,10 @@ def test_grpo_steps_refit_every_engine_bit_exact(run: dict[str, Any]) -> None:
     # the trainer froze its start-up heap: a full collection mid-publish walks only the steps'
     # objects (`heap`)
     assert run["ray"].get(loop.trainer.__ray_call__.remote(lambda _self: gc.get_freeze_count())) > 0
-    # the trainer and the engines keep freed pages for the next publish or staging (`heap`)
-    for actor in (loop.trainer, *loop.engines):
+    # the trainer, the engines and the node daemons keep freed pages for the next publish or
+    # staging (`heap`)
+    daemons = [run["sync"].node_daemon(n) for n in run["sync"].spec.nodes]
+    for actor in (loop.trainer, *loop.engines, *daemons):
         env = run["ray"].get(actor.__ray_call__.remote(lambda _self: dict(os.environ)))
         assert {k: env.get(k) for k in REFIT_MALLOC_ENV} == REFIT_MALLOC_ENV
     for e in (e for row in rows for e in row["per_engine"]):  # measured in the engine's process

@@ -36,6 +36,7 @@ from ...publish import ShardedPublisher
 from ...publish.options import PublishOptions
 from ...store import open_store
 from .daemons import CACHE_SUBDIR, STAGE_SUBDIR, HubDaemon, NodeDaemon
+from .heap import REFIT_MALLOC_ENV
 from .ranks import RankPublisher
 from .spec import NodeSpec, SyncSpec
 
@@ -124,8 +125,9 @@ class WeightSync:
                 continue
             labels = labels_of(n)
             state = os.path.join(o["root"], f"node-{node_id[:16]}")
-            handle = _actor(NodeDaemon, node_id, o["max_restarts"],
-                            f"{o['name']}-node-{node_id[:16]}").remote(
+            handle = _actor(NodeDaemon, node_id, o["max_restarts"],  # stages every version:
+                            f"{o['name']}-node-{node_id[:16]}",  # keeps freed pages (`heap`)
+                            runtime_env={"env_vars": REFIT_MALLOC_ENV}).remote(
                 self.spec.store_url, self.spec.hub, self.spec.secret, node_id, labels, state,
                 o["host"] or n["NodeManagerAddress"], timeout=o["timeout"])
             started[node_id] = (handle, labels, state)
@@ -264,11 +266,11 @@ def _node_ip(ray: Any, node_id: str) -> str:
     raise UsageError(f"Ray node {node_id[:12]}… is not in the cluster")
 
 
-def _actor(cls: type, node_id: str, max_restarts: int, name: str) -> Any:
+def _actor(cls: type, node_id: str, max_restarts: int, name: str, **options: Any) -> Any:
     """`cls` as a Ray actor pinned to `node_id` (not soft: a daemon serves its own node)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     return ray.remote(cls).options(
         name=name, num_cpus=0, max_restarts=max_restarts, max_task_retries=0,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), **options)
