@@ -22,7 +22,7 @@ import gc
 # and by default glibc gives freed memory back to the kernel (large blocks as their own
 # mappings, the top of a heap past a trim threshold) and gives new threads (a staging's pool)
 # arenas of their own: the next version faults the same pages in again, zero-filled. In the RL
-# demo's engines that was 4-7k page faults and 8-24 ms of kernel time per staging; with these
+# demo's engines that was 1.5-7k page faults and 8-24 ms of kernel time per staging; with these
 # settings, ~10 faults from the second refit on and staging CPU 75 -> 64 ms per engine (one run,
 # steps 1-4). The price: such a process keeps the memory of its largest staging or publish
 # rather than returning it, and its threads share two arenas (weighthub's allocations are few
@@ -32,6 +32,7 @@ REFIT_MALLOC_ENV = {
     "MALLOC_MMAP_THRESHOLD_": str(32 << 20),  # glibc's largest: blocks up to it come from a heap
     "MALLOC_TRIM_THRESHOLD_": str(1 << 30),  # never trim a heap's top for staging-sized frees
 }
+REFIT_RUNTIME_ENV = {"env_vars": REFIT_MALLOC_ENV}  # a Ray actor's `runtime_env` option
 
 
 def freeze_startup_heap() -> int:

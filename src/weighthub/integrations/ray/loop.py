@@ -28,15 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import UsageError
-from .heap import REFIT_MALLOC_ENV
+from .heap import REFIT_RUNTIME_ENV
 from .rollout import VLLMRollout
 from .sync import WeightSync
 from .trainer import GRPOTrainer
 
 DEAD_GRACE_S = 10.0  # how long a rollout actor must read as dead before it is replaced
 SETTLE_TIMEOUT_S = 60.0  # the longest wait for a quiet link after the baseline
-# the trainer and the engines publish or stage every step: they keep freed pages (`heap`)
-REFIT_RUNTIME_ENV = {"env_vars": REFIT_MALLOC_ENV}
 
 
 @dataclass(slots=True)
@@ -138,6 +136,7 @@ class GRPOLoop:
         c = self.config
         nodes = sorted(self.sync.spec.nodes)
         here = ray.get_runtime_context().get_node_id()
+        # the trainer and the engines publish or stage every step: they keep freed pages (`heap`)
         self.trainer = _pinned(GRPOTrainer, here, num_cpus=0, runtime_env=REFIT_RUNTIME_ENV).remote(
             c.model, self.sync.spec, c.work_dir, lr=c.lr, max_lag=c.lag, seed=c.seed, encode=c.encode)
         self.initial = ray.get(self.trainer.start.remote())

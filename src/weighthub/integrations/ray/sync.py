@@ -36,7 +36,7 @@ from ...publish import ShardedPublisher
 from ...publish.options import PublishOptions
 from ...store import open_store
 from .daemons import CACHE_SUBDIR, STAGE_SUBDIR, HubDaemon, NodeDaemon
-from .heap import REFIT_MALLOC_ENV
+from .heap import REFIT_RUNTIME_ENV
 from .ranks import RankPublisher
 from .spec import NodeSpec, SyncSpec
 
@@ -127,7 +127,7 @@ class WeightSync:
             state = os.path.join(o["root"], f"node-{node_id[:16]}")
             handle = _actor(NodeDaemon, node_id, o["max_restarts"],  # stages every version:
                             f"{o['name']}-node-{node_id[:16]}",  # keeps freed pages (`heap`)
-                            runtime_env={"env_vars": REFIT_MALLOC_ENV}).remote(
+                            runtime_env=REFIT_RUNTIME_ENV).remote(
                 self.spec.store_url, self.spec.hub, self.spec.secret, node_id, labels, state,
                 o["host"] or n["NodeManagerAddress"], timeout=o["timeout"])
             started[node_id] = (handle, labels, state)
