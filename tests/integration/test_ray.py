@@ -144,6 +144,7 @@ def test_grpo_steps_refit_every_engine_bit_exact(run: dict[str, Any]) -> None:
         assert {k: env.get(k) for k in REFIT_MALLOC_ENV} == REFIT_MALLOC_ENV
     for e in (e for row in rows for e in row["per_engine"]):  # measured in the engine's process
         assert e["stage_minor_faults"] >= 0 and e["stage_process_sys_s"] >= 0, e
+        assert 0 < e["pause_apply_s"] + e["pause_verify_s"] <= e["pause_s"], e
     held = run["sync"].wait_nodes(rows[-1]["version"], timeout=30)
     assert {h["version"] for h in held.values()} == {rows[-1]["version"]}
     # each engine read every chunk its node's daemon was pushed (by the relay tree) from the

@@ -279,7 +279,7 @@ class WeighthubWorker:
                 "route": list(result.route), "bytes_fetched": result.bytes_fetched,
                 "stage_s": result.stage_seconds, "pause_s": result.pause_seconds,
                 "mirror_apply_s": result.apply_seconds,
-                "mirror_pause_s": result.pause_seconds,
+                "mirror_pause_s": result.pause_seconds, "verify_s": result.verify_seconds,
                 "engine_s": report.seconds, "served": dict(receiver.sources.served),
                 **report.to_dict()}
 

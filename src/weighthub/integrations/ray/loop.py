@@ -89,7 +89,10 @@ def _engine_figures(refit: dict[str, Any]) -> dict[str, float]:
             # chunks decoded while they were being published (before the commit)
             "early_chunks": staged.get("early_chunks", 0),
             "turn_wait_s": refit["turn_wait_s"], "serve_wait_s": refit["serve_wait_s"],
-            "pause_s": refit["pause_s"]}
+            "pause_s": refit["pause_s"],
+            # of the pause: writing the staged words, checking the digests (the rest: commit)
+            "pause_apply_s": refit.get("mirror_apply_s", float("nan")),
+            "pause_verify_s": refit.get("verify_s", float("nan"))}
 
 
 def settle(wire: Callable[[], int], *, quiet_bytes: int = 64 << 10, interval_s: float = 0.5,
