@@ -638,6 +638,32 @@ def test_views_that_partly_share_memory_are_refused(store: Store) -> None:
         apply_mod.check_disjoint(bad, unique_views(bad))
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_a_non_contiguous_tensor_is_refused_before_anything_is_written(store: Store,
+                                                                        backend: str) -> None:
+    """A strided tensor's flat words are a copy: an update would land there, not in the tensor
+    (a host target once committed a version with such a tensor left as it was). Refused when
+    the target is made, and when its state gains one later, with nothing written."""
+    _pub, states = publish_chain(store, 2)
+
+    def column_major(t: torch.Tensor) -> torch.Tensor:  # the same values, transposed strides
+        return t.t().contiguous().t()
+
+    held = {k: t.clone() for k, t in states[0].items()}
+    held["embed.weight"] = column_major(held["embed.weight"])
+    with pytest.raises(UsageError, match=r"tensor 'embed\.weight' is not contiguous \(shape "
+                                         r"\(256, 160\), strides \(1, 256\)\)"):
+        StateDictTarget(held, backend=backend)
+    target = StateDictTarget({k: t.clone() for k, t in states[0].items()}, backend=backend)
+    Receiver(store, target).sync(0)
+    target.state["layers.0.mlp.weight"] = column_major(target.state["layers.0.mlp.weight"])
+    before = snapshot(target.state)
+    with pytest.raises(UsageError, match=r"'layers\.0\.mlp\.weight' is not contiguous"):
+        Receiver(store, target).sync(1)
+    held_now = target.held()
+    assert same_bits(target.state, before) and held_now is not None and held_now.version == 0
+
+
 def test_held_digests_without_the_receiver_cache(at_v1) -> None:
     """A new receiver finds the held digests in the held manifest, or digests the held bits."""
     store, _pub, states, target, _rx = at_v1

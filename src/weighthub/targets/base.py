@@ -171,8 +171,8 @@ def views_of(tensors: Mapping[str, torch.Tensor], backend: str) -> dict[str, Wor
     Raises:
         UsageError: a tensor on a device with backend "host", on a device that is neither the
             host nor CUDA (meta), tensors on more than one CUDA device, a non-contiguous tensor
-            where a torch view is needed (the view would be a copy), or a dtype weighthub does
-            not carry.
+            (its flat view would be a copy, and an update would not reach it), or a dtype
+            weighthub does not carry.
     """
     out: dict[str, Words] = {}
     devices: dict[str, str] = {}  # CUDA device → a tensor on it
@@ -192,10 +192,9 @@ def views_of(tensors: Mapping[str, torch.Tensor], backend: str) -> dict[str, Wor
         if on_device and backend == "host":
             raise UsageError(f"tensor {name!r} is on {t.device}, and this target was made with "
                              "backend='host' (CPU tensors only): pass backend='auto'")
-        if on_device or backend == "torch":
-            if not t.is_contiguous():
-                raise UsageError(f"tensor {name!r} is not contiguous; cannot update it in place")
-            out[name] = word_view(t)
-        else:
-            out[name] = bits(t)
+        if not t.is_contiguous():  # its flat words would be a copy: updates would not land
+            raise UsageError(f"tensor {name!r} is not contiguous (shape {tuple(t.shape)}, "
+                             f"strides {t.stride()}): weighthub updates flat words in place; "
+                             "give the target the contiguous tensor the model itself reads")
+        out[name] = word_view(t) if on_device or backend == "torch" else bits(t)
     return out
