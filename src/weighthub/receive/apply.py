@@ -59,8 +59,7 @@ def apply_step(step: Step, views: Mapping[str, Words], alias: dict[str, str], un
     words it holds now (a later step of a chain); its digest changes come back to the host once
     per chunk.
     """
-    m = step.manifest
-    specs = m.specs()
+    specs = step.specs
     touched.update(i for i, s in enumerate(specs) if alias[s.name] != s.name)  # verify aliases
     full = step.full
 

@@ -106,8 +106,8 @@ def transact(target: Target, steps: Sequence[Step], *, store: str, held: Held | 
                 busy.apply, busy.verify = applied.busy_apply, applied.busy_verify
             if incremental:
                 with clock.phase("verify"):
-                    digests = check_step(views, alias, step.arrives, applied.changes, digests,
-                                         from_nothing=step.full)
+                    digests = check_step(views, alias, step.arrives, step.specs, applied.changes,
+                                         digests, from_nothing=step.full)
             state_root = step.arrives.root
         if not incremental:
             with clock.phase("verify"):

@@ -18,10 +18,11 @@ to (its base root) and, through `expect`, what the tensors' digests must be afte
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..format import ChunkFrame, ChunkRef, Manifest
+from ..tensors import TensorSpec
 
 if TYPE_CHECKING:
     from ..codec.prepared import PreparedSegment
@@ -59,12 +60,19 @@ class Step:
     inverse: apply the delta `manifest` inversely, from its version back to its base.
     expect: the manifest of the version the step arrives at, whose digests and root the result
         must have: `manifest` itself (default), or for an inverse step a manifest of its base.
+    specs: the manifest's tensor table, built when the step is made, before the pause (a table
+        of a model with thousands of tensors takes milliseconds to build). An inverse step's
+        `expect` has the same table (`routes.expected_base` checks it).
     """
 
     manifest: Manifest
     chunks: Iterable[Chunk]
     inverse: bool = False
     expect: Manifest | None = None
+    specs: list[TensorSpec] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "specs", self.manifest.specs())
 
     @property
     def arrives(self) -> Manifest:

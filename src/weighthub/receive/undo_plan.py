@@ -67,7 +67,7 @@ def plan_step(step: Step, all_views: Mapping[str, Words], alias: dict[str, str])
     if not isinstance(step.chunks, Sequence):
         return None
     views = host_views(all_views, "a journaling target")
-    specs = step.manifest.specs()
+    specs = step.specs
     out: Planned = []
     for chunk in step.chunks:
         if step.full:  # rewrites whole ranges (and boxes: their whole tensors)

@@ -21,16 +21,15 @@ from ..tensors import TensorSpec, Words
 
 
 def check_step(views: Mapping[str, Words], alias: dict[str, str], m: Manifest,
-               changes: list[tuple[int, bytes]], digests: dict[str, bytes] | None, *,
-               from_nothing: bool) -> dict[str, bytes]:
+               specs: list[TensorSpec], changes: list[tuple[int, bytes]],
+               digests: dict[str, bytes] | None, *, from_nothing: bool) -> dict[str, bytes]:
     """Digests after a step (held digests + changes), checked against m's, the manifest of
-    the version the step arrived at (same tensor table as the step's). Returns them.
+    the version the step arrived at, whose tensor table is `specs` (the step's). Returns them.
 
     A full representation starts from nothing (`from_nothing`). Tensors without a held
     digest (none known) are digested in full; a tied name takes its first name's digest
     (the same words).
     """
-    specs = m.specs()
     if from_nothing:
         new = {s.name: ZERO_DIGEST for s in specs}
     else:
