@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -17,16 +18,34 @@ import pytest
 import torch
 
 from weighthub import catalog
-from weighthub.codec import EncodePolicy, Positions, Segment, UndoLog, apply_segment, encode_segment
+from weighthub.codec import (
+    EncodePolicy,
+    Op,
+    Positions,
+    Segment,
+    UndoLog,
+    Values,
+    apply_segment,
+    encode_segment,
+)
 from weighthub.codec.encode import encode_changes
 from weighthub.digest import digest_bits, root_digest
 from weighthub.errors import FormatError, UsageError
-from weighthub.format import ChunkRef, Manifest, TensorEntry, chunk_checksum, encode_chunk, encode_manifest
+from weighthub.format import (
+    ChunkFrame,
+    ChunkRef,
+    Manifest,
+    TensorEntry,
+    chunk_checksum,
+    encode_chunk,
+    encode_manifest,
+)
 from weighthub.format.manifest import KIND, MANIFEST_FORMAT
 from weighthub.layout import ShardBox, segment_outside
 from weighthub.publish import model_id
 from weighthub.receive import Receiver
 from weighthub.receive import apply as receive_apply
+from weighthub.receive.stage import check_segments
 from weighthub.store import MemoryStore
 from weighthub.targets import StateDictTarget
 from weighthub.tensors import DTYPE_BY_NAME, TensorSpec, bits
@@ -98,6 +117,25 @@ def publish(store: MemoryStore, per_box_delta: list[Segment] | None = None) -> l
 
 def _held(target: dict[str, torch.Tensor]) -> np.ndarray:
     return bits(target["w"]).reshape(-1).copy()
+
+
+def test_a_segment_must_lie_in_a_range_of_its_own_tensor() -> None:
+    """Ranges are looked up by the segment's tensor (a chunk of thousands of small tensors has
+    thousands of each), a tensor split by the span may have two in one chunk, and a segment
+    crossing the gap between them, or past either, or of a tensor the chunk does not cover, is
+    refused."""
+    ref = ChunkRef("k", 1, "0" * 64, [(0, 0, 10), (1, 0, 5), (0, 20, 30)])
+    delta = SimpleNamespace(base=0, tensors=[])
+
+    def seg(ti: int, start: int, stop: int) -> Segment:
+        return Segment(ti, start, stop, Op.XOR, Positions.GAPS, Values.VARINT, 1,
+                       np.zeros(0, np.uint8), np.zeros(0, np.uint8))
+
+    check_segments(ChunkFrame((seg(0, 0, 10), seg(0, 22, 30), seg(1, 1, 5))), ref, delta, "c")
+    for bad in (seg(0, 5, 21), seg(0, 10, 20), seg(0, 25, 31), seg(1, 0, 6), seg(2, 0, 1)):
+        with pytest.raises(FormatError, match=rf"c: segment 1 writes tensor {bad.tensor} "
+                                              rf"\[{bad.start}, {bad.stop}\) outside the chunk's"):
+            check_segments(ChunkFrame((seg(0, 0, 10), bad)), ref, delta, "c")
 
 
 @pytest.mark.parametrize("verify", ["incremental", "full"])

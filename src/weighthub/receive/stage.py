@@ -171,9 +171,15 @@ def check_segments(frame: ChunkFrame, ref: ChunkRef, m: Manifest, where: str, *,
     back exactly only if what they write is disjoint).
     """
     boxes = [(ti, ShardBox(tuple(m.tensors[ti].shape), tuple(o), tuple(s))) for ti, o, s in ref.boxes]
+    # the ranges each tensor has in the chunk (one, but for a tensor split by the span): a
+    # chunk of many small tensors has thousands of segments and ranges, and testing every
+    # segment against every range took seconds a version for 8000 tensors
+    ranges: dict[int, list[tuple[int, int]]] = {}
+    for ti, start, stop in ref.covers:
+        ranges.setdefault(ti, []).append((start, stop))
     for i, seg in enumerate(frame.segments):
-        if not any(seg.tensor == ti and start <= seg.start and seg.stop <= stop
-                   for ti, start, stop in ref.covers):
+        if not any(start <= seg.start and seg.stop <= stop
+                   for start, stop in ranges.get(seg.tensor, ())):
             why = [segment_outside(seg, box) for ti, box in boxes if ti == seg.tensor]
             if None not in why:
                 raise FormatError(f"{where}: segment {i} writes tensor {seg.tensor} "
