@@ -97,20 +97,31 @@ def encode_manifest(m: Manifest) -> bytes:
     return _encoder.encode(m)
 
 
+class _Head(msgspec.Struct):
+    """What a manifest says of itself before its format is known: decoded alone, skipping the
+    rest (decoding the whole document untyped took ~20 ms per MB: a model with 8000 tensors
+    has a 1.4 MB manifest)."""
+
+    kind: object = None
+    format: object = None
+
+
 def decode_manifest(buf: bytes, *, where: str) -> Manifest:
     """Parse and validate a manifest. Raises FormatError subclasses naming `where`."""
     if len(buf) > MAX_MANIFEST_BYTES:
         raise LimitError(f"{where}: manifest of {len(buf)} bytes exceeds {MAX_MANIFEST_BYTES}")
     try:
-        head = msgspec.json.decode(buf)
+        head = msgspec.json.decode(buf, type=_Head)
+    except msgspec.ValidationError:  # not a JSON object
+        raise FormatError(f"{where}: not a weighthub manifest") from None
     except msgspec.DecodeError as exc:
         raise FormatError(f"{where}: manifest is not valid JSON: {exc}") from exc
     except RecursionError:  # msgspec recurses per nesting level; a manifest nests 4 deep
         raise FormatError(f"{where}: manifest JSON is nested too deeply to parse (a corrupt or "
                           "hostile manifest): republish the version") from None
-    if not isinstance(head, dict) or head.get("kind") != KIND:
+    if head.kind != KIND:
         raise FormatError(f"{where}: not a weighthub manifest")
-    fmt = head.get("format")
+    fmt = head.format
     if fmt != MANIFEST_FORMAT:
         if type(fmt) is int and fmt < MANIFEST_FORMAT:
             raise FormatVersionError(
@@ -123,6 +134,11 @@ def decode_manifest(buf: bytes, *, where: str) -> Manifest:
         m = msgspec.json.decode(buf, type=Manifest)
     except msgspec.ValidationError as exc:
         raise FormatError(f"{where}: invalid manifest: {exc}") from exc
+    except msgspec.DecodeError as exc:  # in a part the head's decode skipped
+        raise FormatError(f"{where}: manifest is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise FormatError(f"{where}: manifest JSON is nested too deeply to parse (a corrupt or "
+                          "hostile manifest): republish the version") from None
     _validate(m, where)
     return m
 
