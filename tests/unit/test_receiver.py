@@ -664,6 +664,45 @@ def test_a_non_contiguous_tensor_is_refused_before_anything_is_written(store: St
     assert same_bits(target.state, before) and held_now is not None and held_now.version == 0
 
 
+def test_kept_views_follow_every_tensor_the_state_is_given(store: Store) -> None:
+    """A state dict target keeps its views (and the layout the pause derived from them) while
+    its tensors stay the same, and rebuilds them when one is replaced, as an object or under
+    the same object (`.data`): every sync still lands in the tensors the state holds."""
+    _pub, states = publish_chain(store, 4)
+    target = StateDictTarget({})
+    rx = Receiver(store, target)
+    rx.sync(0)
+    kept = target.peek()
+    rx.sync(1)
+    assert target.peek() is kept and same_bits(target.state, states[1])
+    assert len(kept.layouts) == 1  # the alias map, derived once
+    moved = target.state["layers.0.mlp.weight"].clone()
+    target.state["layers.0.mlp.weight"] = moved  # another object, another storage
+    rx.sync(2)
+    assert target.peek() is not kept and same_bits(target.state, states[2])
+    assert target.state["layers.0.mlp.weight"] is moved
+    kept = target.peek()
+    embed = target.state["embed.weight"]
+    embed.data = embed.data.clone()  # the same object on another storage
+    rx.sync(3)
+    assert target.peek() is not kept and same_bits(target.state, states[3])
+
+
+def test_a_failed_first_sync_drops_its_kept_views(store: Store,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A target filled by a failed first sync gives its tensors back, views included."""
+    publish_chain(store, 1)
+    target = StateDictTarget({})
+
+    def fail(*_a: object, **_k: object) -> None:
+        raise IntegrityError("injected")
+
+    monkeypatch.setattr("weighthub.receive.engine.check_step", fail)
+    with pytest.raises(IntegrityError, match="injected"):
+        Receiver(store, target).sync(0)
+    assert target.state == {} and target._kept_views is None
+
+
 def test_held_digests_without_the_receiver_cache(at_v1) -> None:
     """A new receiver finds the held digests in the held manifest, or digests the held bits."""
     store, _pub, states, target, _rx = at_v1

@@ -27,9 +27,9 @@ from typing import Literal
 
 from ..codec import UndoLog
 from ..errors import ApplyError, BaseMismatch, UsageError, WeighthubError
-from ..targets.base import Held, Target, journal_step, unique_views
+from ..targets.base import Held, Target, journal_step
 from ..tensors import TensorSpec
-from .apply import apply_step, check_disjoint
+from .apply import apply_step, layout_of
 from .clock import PhaseClock
 from .inputs import Step
 from .routes import check_binding
@@ -84,8 +84,7 @@ def transact(target: Target, steps: Sequence[Step], *, store: str, held: Held | 
     try:
         views = target.open(specs)
         _check_unmoved(target, held, final.version, store)
-        alias = unique_views({s.name: views[s.name] for s in specs})
-        check_disjoint(views, alias)
+        alias = layout_of(views, [s.name for s in specs])
         if held is not None and verify_base:
             with clock.phase("verify"):
                 held_digests = check_root(views, specs, held.root)

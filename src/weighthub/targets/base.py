@@ -107,6 +107,19 @@ def journal_step(target: Target, plan: Plan) -> None:
         hook(plan)
 
 
+class Views(dict[str, Words]):
+    """A target's views (name → words) that it keeps between transactions while its tensors
+    stay the same (`StateDictTarget`), and what the receiver derived from them once: `layouts`
+    maps a tuple of names to their `unique_views`, already checked disjoint
+    (`receive.apply.layout_of`). Rebuilding both cost ~10 µs a tensor in every pause."""
+
+    __slots__ = ("layouts",)
+
+    def __init__(self, views: Mapping[str, Words]) -> None:
+        super().__init__(views)
+        self.layouts: dict[tuple[str, ...], dict[str, str]] = {}
+
+
 def unique_views(views: Mapping[str, Words]) -> dict[str, str]:
     """Map each name to the first name sharing its exact memory (tied weights).
 
