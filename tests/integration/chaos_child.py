@@ -45,9 +45,16 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+_emit_lock = threading.Lock()
+
 
 def emit(event: dict[str, Any]) -> None:
-    print(json.dumps(event, sort_keys=True), flush=True)
+    # one write under a lock: print() writes the line and its newline separately, so threads
+    # pausing together (staging's fetches) interleaved their lines and the test lost both
+    line = json.dumps(event, sort_keys=True) + "\n"
+    with _emit_lock:
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 class _TimedStore:

@@ -117,7 +117,8 @@ class ChildProcess:
         for line in self.proc.stdout or ():
             try:
                 event = json.loads(line)
-            except ValueError:
+            except ValueError:  # not an event: kept for the timeout's message
+                self.stderr.append(f"[stdout, not an event] {line}")
                 continue
             with self._new:
                 self.events.append(event)

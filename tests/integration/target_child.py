@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,16 @@ from typing import Any
 GO_WAIT_S = 120.0
 
 
+_say_lock = threading.Lock()
+
+
 def say(doc: dict[str, Any]) -> None:
-    print(json.dumps(doc), flush=True)
+    # one write under a lock: print() writes the line and its newline apart, so two threads
+    # stopping at once would interleave them into lines the test cannot parse
+    line = json.dumps(doc) + "\n"
+    with _say_lock:
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 def install_pause(point: str, go: str | None) -> None:
