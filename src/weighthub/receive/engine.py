@@ -15,7 +15,8 @@
 Every input goes through `transact`: a store route staged by `Receiver`, an elastic join's
 dense tensors streamed from holders (`cluster.join`), a compact LoGRA step's replayed words
 (`train.compact`). The caller holds whatever lock makes the change atomic to observers
-(`Receiver.lock`); the engine does not import cluster/ or train/, which sit above it.
+(`Receiver.lock`); the engine does not import cluster/ or train/, which sit above it. No cyclic
+garbage collection runs inside a transaction (`nogc`: one that lands there walks the heap).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ..tensors import TensorSpec
 from .apply import apply_step, layout_of
 from .clock import PhaseClock
 from .inputs import Step
+from .nogc import collections_deferred
 from .routes import check_binding
 from .undo_plan import plan_step
 from .verify import check_root, check_step, check_touched
@@ -77,10 +79,18 @@ def transact(target: Target, steps: Sequence[Step], *, store: str, held: Held | 
     """
     if not steps:
         raise UsageError("a transaction needs at least one step")
+    with collections_deferred():  # no collection walks the heap inside the pause
+        return _transact(target, steps, store, held, specs, fresh, verify == "incremental",
+                         held_digests, verify_base, apply_workers)
+
+
+def _transact(target: Target, steps: Sequence[Step], store: str, held: Held | None,
+              specs: list[TensorSpec], fresh: bool, incremental: bool,
+              held_digests: dict[str, bytes] | None, verify_base: bool,
+              apply_workers: int) -> Outcome:
     final = steps[-1].arrives
     undo = UndoLog(fresh=fresh)
     clock = PhaseClock()
-    incremental = verify == "incremental"
     try:
         views = target.open(specs)
         _check_unmoved(target, held, final.version, store)
