@@ -1,5 +1,5 @@
-"""receive.nogc: no cyclic garbage collection inside a transaction (the pause), and the
-collector's own switch restored after it, whatever the transaction's end."""
+"""nogc: no cyclic garbage collection inside a transaction (the pause) or a publish, and the
+collector's own switch restored after them, whatever their end."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from weighthub.errors import IntegrityError
+from weighthub.errors import IntegrityError, ObjectExists
+from weighthub.nogc import collections_deferred
 from weighthub.publish import Publisher
 from weighthub.receive import Receiver
-from weighthub.receive.nogc import collections_deferred
 from weighthub.store import MemoryStore
 from weighthub.targets import StateDictTarget
 
@@ -78,6 +78,36 @@ def test_a_failed_transaction_turns_the_collector_back_on() -> None:
     assert target.seen[-2:] == [("commit", False), ("abort", False)]
     assert gc.isenabled()
     assert target.held() is not None and target.held().version == 0  # rolled back
+
+
+class _WatchingStore(MemoryStore):
+    """Records whether the collector was on at each write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[bool] = []
+        self.fail = False
+
+    def put(self, key: str, data: bytes | memoryview, *, create_only: bool = False,
+            timeout: float | None = None) -> None:
+        self.seen.append(gc.isenabled())
+        if self.fail:
+            raise ObjectExists(f"injected: {key} exists")
+        super().put(key, data, create_only=create_only, timeout=timeout)
+
+
+def test_the_collector_is_off_inside_a_publish_and_on_after_it_whatever_its_end() -> None:
+    store = _WatchingStore()
+    pub = Publisher(store)
+    state = {"w": torch.zeros(4096, dtype=torch.bfloat16)}
+    pub.publish(state)
+    assert store.seen and not any(store.seen)
+    assert gc.isenabled()
+    store.fail = True
+    state["w"][::7] = 1.0
+    with pytest.raises(ObjectExists, match="injected"):
+        pub.publish(state)
+    assert gc.isenabled()
 
 
 def test_a_collector_switched_off_by_the_caller_stays_off() -> None:

@@ -44,6 +44,7 @@ from ..codec import EncodePolicy
 from ..errors import ObjectExists, PeerUnavailable, WeighthubError
 from ..format import Manifest
 from ..layout import ShardBox
+from ..nogc import collections_deferred
 from ..store import Store
 from . import commit as commits
 from .agree import Plan, Proposal, agree
@@ -165,7 +166,7 @@ class ShardedPublisher:
             PeerUnavailable: another rank failed or died; nothing was committed.
             ObjectExists: another publisher committed that version first.
         """
-        with self._lock:
+        with self._lock, collections_deferred():  # no collection walks the trainer's heap
             return self._publish(state, shard_map, version, donate)
 
     def _publish(self, state: Mapping[str, torch.Tensor],

@@ -28,12 +28,12 @@ from typing import Literal
 
 from ..codec import UndoLog
 from ..errors import ApplyError, BaseMismatch, UsageError, WeighthubError
+from ..nogc import collections_deferred
 from ..targets.base import Held, Target, journal_step
 from ..tensors import TensorSpec
 from .apply import apply_step, layout_of
 from .clock import PhaseClock
 from .inputs import Step
-from .nogc import collections_deferred
 from .routes import check_binding
 from .undo_plan import plan_step
 from .verify import check_root, check_step, check_touched
