@@ -164,6 +164,40 @@ def test_module_target_with_tied_weights_and_buffer(store: Store) -> None:
         assert receiver_model.head.weight is receiver_model.emb.weight
 
 
+def test_a_module_target_keeps_its_views_until_a_tensor_is_replaced(store: Store) -> None:
+    """A module target keeps its views (and the layout the pause derived from them) while its
+    parameters and buffers stay the same, and rebuilds them when one is replaced, as a new
+    Parameter, a new buffer or new storage under the same Parameter (`.data`): every sync
+    still lands in the tensors the module holds, ties included."""
+    torch.manual_seed(0)
+    trainer = Tiny()
+    pub = publisher(store)
+    model = Tiny()
+    target = ModuleTarget(model)
+    rx = Receiver(store, target)
+    replace = [
+        lambda: setattr(model.proj, "weight", torch.nn.Parameter(model.proj.weight.clone())),
+        lambda: setattr(model, "counts", model.counts.clone()),
+        lambda: setattr(model.emb.weight, "data", model.emb.weight.data.clone()),
+    ]
+    kept = None
+    for v in range(2 + 2 * len(replace)):
+        if v:
+            _train_step(trainer, v)
+        pub.publish(trainer.state_dict())
+        changed = v >= 2 and v % 2 == 0
+        if changed:
+            replace[v // 2 - 1]()
+        rx.sync()
+        assert same_bits(model.state_dict(), trainer.state_dict()), v
+        assert model.head.weight is model.emb.weight
+        views = target.peek()
+        if kept is not None:
+            assert (views is not kept) == changed, v
+        kept = views
+    assert len(kept.layouts) == 1  # the alias map, derived once for the views kept
+
+
 def test_tied_receiver_detects_untied_trainer() -> None:
     """The receiver applies through one alias of tied weights; the other's digest is still checked."""
     store = MemoryStore("untied")
@@ -700,7 +734,7 @@ def test_a_failed_first_sync_drops_its_kept_views(store: Store,
     monkeypatch.setattr("weighthub.receive.engine.check_step", fail)
     with pytest.raises(IntegrityError, match="injected"):
         Receiver(store, target).sync(0)
-    assert target.state == {} and target._kept_views is None
+    assert target.state == {} and target._views._kept is None
 
 
 def test_held_digests_without_the_receiver_cache(at_v1) -> None:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ..errors import UsageError
 from ..tensors import TensorSpec, specs_of
-from .base import Held, check_backend, views_of
+from .base import Held, KeptViews, Views, check_backend
 
 
 class ModuleTarget:
@@ -25,6 +24,7 @@ class ModuleTarget:
         self.module = module
         self._held = held
         self.backend = check_backend(backend)
+        self._views = KeptViews()
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         out = {}
@@ -40,11 +40,12 @@ class ModuleTarget:
     def specs(self) -> list[TensorSpec] | None:
         return specs_of(self._tensors())
 
-    def peek(self) -> dict[str, np.ndarray | torch.Tensor]:
-        return views_of(self._tensors(), self.backend)
+    def peek(self) -> Views:
+        """The module's views (kept while its tensors stay the same: `KeptViews`)."""
+        return self._views.of(self._tensors(), self.backend)
 
-    def open(self, specs: list[TensorSpec]) -> dict[str, np.ndarray | torch.Tensor]:
-        return views_of(self._tensors(), self.backend)
+    def open(self, specs: list[TensorSpec]) -> Views:
+        return self.peek()
 
     def commit(self, held: Held) -> None:
         self._held = held
