@@ -734,7 +734,7 @@ def test_a_failed_first_sync_drops_its_kept_views(store: Store,
     monkeypatch.setattr("weighthub.receive.engine.check_step", fail)
     with pytest.raises(IntegrityError, match="injected"):
         Receiver(store, target).sync(0)
-    assert target.state == {} and target._views._kept is None
+    assert target.state == {} and target._kept._kept is None
 
 
 def test_held_digests_without_the_receiver_cache(at_v1) -> None:

@@ -24,7 +24,7 @@ class ModuleTarget:
         self.module = module
         self._held = held
         self.backend = check_backend(backend)
-        self._views = KeptViews()
+        self._kept = KeptViews()
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         out = {}
@@ -42,7 +42,7 @@ class ModuleTarget:
 
     def peek(self) -> Views:
         """The module's views (kept while its tensors stay the same: `KeptViews`)."""
-        return self._views.of(self._tensors(), self.backend)
+        return self._kept.of(self._tensors(), self.backend)
 
     def open(self, specs: list[TensorSpec]) -> Views:
         return self.peek()

@@ -22,7 +22,7 @@ class StateDictTarget:
         self.state = state
         self._held = held
         self._materialized: list[str] = []
-        self._views = KeptViews()
+        self._kept = KeptViews()
         self.peek()  # refuses what it cannot update, before anything runs
 
     def held(self) -> Held | None:
@@ -33,7 +33,7 @@ class StateDictTarget:
 
     def peek(self) -> Views:
         """The state's views (kept while its tensors stay the same: `KeptViews`)."""
-        return self._views.of(self.state, self.backend)
+        return self._kept.of(self.state, self.backend)
 
     def open(self, specs: list[TensorSpec]) -> Views:
         if not self.state:
@@ -49,7 +49,7 @@ class StateDictTarget:
 
     def abort(self) -> None:
         if self._materialized:
-            self._views.drop()  # holds the storage of the tensors dropped here
+            self._kept.drop()  # holds the storage of the tensors dropped here
         for name in self._materialized:
             del self.state[name]
         self._materialized.clear()
