@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -117,3 +118,37 @@ def test_a_put_that_fails_midway_leaves_nothing_of_the_version(fail_at: int) -> 
     Receiver(store.inner, target).sync()
     assert all(torch.equal(target.state[k].view(torch.int16), v.view(torch.int16))
                for k, v in states[2].items())
+
+
+@pytest.mark.parametrize(("numel", "backend", "threads"), [
+    (2048, "auto", 1),  # small host pieces: one encoder (GIL hand-overs cost more than a thread)
+    (1 << 17, "auto", 2),  # pieces big enough for two
+    (2048, "torch", 2),  # torch words (the device path) keep every worker
+])
+def test_encoder_threads_follow_the_mean_piece_size(numel: int, backend: str, threads: int,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small host pieces are encoded on one thread and big ones on `workers`; the version is
+    the same bits either way."""
+    pools: list[int] = []
+
+    class Recording(ThreadPoolExecutor):
+        def __init__(self, max_workers: int, thread_name_prefix: str = "") -> None:
+            if thread_name_prefix != "weighthub-put":  # the encoders' pool
+                pools.append(max_workers)
+            super().__init__(max_workers, thread_name_prefix=thread_name_prefix)
+
+    gen = torch.Generator().manual_seed(numel)
+    state = {f"t{i}": torch.randn(numel, generator=gen).to(torch.bfloat16) for i in range(6)}
+    store = MemoryStore()
+    span = numel * 2  # one tensor per chunk
+    pub = Publisher(store, workers=2, delta_span_bytes=span, full_span_bytes=span, backend=backend)
+    pub.publish(state)
+    for t in state.values():
+        t.view(torch.int16)[::5] += 1
+    monkeypatch.setattr(stream_module, "ThreadPoolExecutor", Recording)
+    pub.publish(state)
+    assert pools == [threads]
+    target = StateDictTarget({})
+    Receiver(store, target).sync()
+    assert all(torch.equal(target.state[k].view(torch.int16), v.view(torch.int16))
+               for k, v in state.items())
