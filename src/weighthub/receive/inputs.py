@@ -63,6 +63,8 @@ class Step:
     specs: the manifest's tensor table, built when the step is made, before the pause (a table
         of a model with thousands of tensors takes milliseconds to build). An inverse step's
         `expect` has the same table (`routes.expected_base` checks it).
+    changes_per_tensor: the mean `changed` of the manifest's tensors that changed (what the
+        apply's thread count follows: `receive.apply.apply_threads`); 0 if none did.
     """
 
     manifest: Manifest
@@ -70,9 +72,12 @@ class Step:
     inverse: bool = False
     expect: Manifest | None = None
     specs: list[TensorSpec] = field(init=False)
+    changes_per_tensor: float = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "specs", self.manifest.specs())
+        changed = [t.changed for t in self.manifest.tensors if t.changed > 0]
+        object.__setattr__(self, "changes_per_tensor", sum(changed) / len(changed) if changed else 0.0)
 
     @property
     def arrives(self) -> Manifest:
