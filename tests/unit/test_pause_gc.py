@@ -1,5 +1,5 @@
-"""nogc: no cyclic garbage collection inside a transaction (the pause) or a publish, and the
-collector's own switch restored after them, whatever their end."""
+"""nogc: no cyclic garbage collection inside a transaction (the pause), a staging or a publish,
+and the collector's own switch restored after them, whatever their end."""
 
 from __future__ import annotations
 
@@ -30,9 +30,13 @@ class _Watching(StateDictTarget):
     """Records whether the collector was on at each point the engine calls the target."""
 
     def __init__(self, state: dict[str, torch.Tensor]) -> None:
-        super().__init__(state)
         self.seen: list[tuple[str, bool]] = []
         self.fail_commit = False
+        super().__init__(state)
+
+    def peek(self):  # type: ignore[no-untyped-def]
+        self.seen.append(("peek", gc.isenabled()))
+        return super().peek()
 
     def open(self, specs):  # type: ignore[no-untyped-def]
         self.seen.append(("open", gc.isenabled()))
@@ -59,23 +63,35 @@ def _published(versions: int) -> MemoryStore:
     return store
 
 
-def test_the_collector_is_off_inside_a_transaction_and_on_after_it() -> None:
+def test_the_collector_is_off_inside_a_staging_and_a_transaction_and_on_after_them() -> None:
     store = _published(2)
     target = _Watching({})
+    target.seen.clear()  # the constructor's own peek
     Receiver(store, target).sync(0)
-    Receiver(store, target).sync(1)
-    assert target.seen == [("open", False), ("commit", False)] * 2
+    assert [p for p, _on in target.seen] == ["open", "peek", "commit"]  # open peeks itself
+    assert not any(on for _p, on in target.seen)
+    target.seen.clear()
+    rx = Receiver(store, target)
+    staged = rx.stage(1)
+    assert target.seen == [("peek", False)]  # staging reads the held bits through peek
+    assert gc.isenabled()
+    target.seen.clear()
+    rx.apply(staged)
+    assert [p for p, _on in target.seen] == ["open", "peek", "commit"]
+    assert not any(on for _p, on in target.seen)
     assert gc.isenabled()
 
 
 def test_a_failed_transaction_turns_the_collector_back_on() -> None:
     store = _published(2)
     target = _Watching({})
+    target.seen.clear()  # the constructor's own peek
     Receiver(store, target).sync(0)
     target.fail_commit = True
     with pytest.raises(IntegrityError, match="injected"):
         Receiver(store, target).sync(1)
     assert target.seen[-2:] == [("commit", False), ("abort", False)]
+    assert not any(on for _p, on in target.seen)
     assert gc.isenabled()
     assert target.held() is not None and target.held().version == 0  # rolled back
 

@@ -18,7 +18,7 @@ to (its base root) and, through `expect`, what the tensors' digests must be afte
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING
 
 from ..format import ChunkFrame, ChunkRef, Manifest
@@ -61,8 +61,9 @@ class Step:
     expect: the manifest of the version the step arrives at, whose digests and root the result
         must have: `manifest` itself (default), or for an inverse step a manifest of its base.
     specs: the manifest's tensor table, built when the step is made, before the pause (a table
-        of a model with thousands of tensors takes milliseconds to build). An inverse step's
-        `expect` has the same table (`routes.expected_base` checks it).
+        of a model with thousands of tensors takes milliseconds to build), unless the caller
+        built it already (`table`). An inverse step's `expect` has the same table
+        (`routes.expected_base` checks it).
     changes_per_tensor: the mean `changed` of the manifest's tensors that changed (what the
         apply's thread count follows: `receive.apply.apply_threads`); 0 if none did.
     """
@@ -71,11 +72,12 @@ class Step:
     chunks: Iterable[Chunk]
     inverse: bool = False
     expect: Manifest | None = None
+    table: InitVar[list[TensorSpec] | None] = None
     specs: list[TensorSpec] = field(init=False)
     changes_per_tensor: float = field(init=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "specs", self.manifest.specs())
+    def __post_init__(self, table: list[TensorSpec] | None) -> None:
+        object.__setattr__(self, "specs", self.manifest.specs() if table is None else table)
         changed = [t.changed for t in self.manifest.tensors if t.changed > 0]
         object.__setattr__(self, "changes_per_tensor", sum(changed) / len(changed) if changed else 0.0)
 

@@ -18,6 +18,7 @@ from typing import Literal
 from .. import catalog
 from ..errors import BaseMismatch, ObjectNotFound, UsageError
 from ..format import Manifest
+from ..nogc import collections_deferred
 from ..sources import SourceList
 from ..store import Store
 from ..targets.base import Held, Target
@@ -210,6 +211,10 @@ class Receiver:
             return self._apply_staged(staged)
 
     def _stage_version(self, version: int | None) -> Staged:
+        with collections_deferred():  # a staging's allocations set off a full collection
+            return self._stage_deferred(version)
+
+    def _stage_deferred(self, version: int | None) -> Staged:
         t0 = time.perf_counter()
         if version is None:
             version = catalog.latest_version(self.store)
@@ -233,7 +238,7 @@ class Receiver:
         digests = (held_digests(self.store, self.target, held, first, self._committed)
                    if self.verify == "incremental" and held is not None
                    and first.base is not None and not self.verify_base else None)
-        specs = steps[-1].arrives.specs()  # O(tensors) checks kept out of the pause
+        specs = steps[-1].specs  # its arrival's table too; O(tensors) checks kept out of the pause
         current = self.target.specs()
         if current is not None:
             check_same_model(specs, current, "the target")

@@ -96,7 +96,8 @@ def stage_route(route: list[catalog.Rep], manifests: list[tuple[Manifest, Manife
     steps = []
     it = iter(chunks)
     for r, (m, expect) in zip(route, manifests, strict=True):
-        steps.append(Step(m, [next(it) for _ in m.chunks], r.inverse, expect))
+        steps.append(Step(m, [next(it) for _ in m.chunks], r.inverse, expect,
+                          first_specs if m is first else None))
     return steps
 
 
