@@ -21,12 +21,14 @@ meanwhile (weighthub's own work makes next to none).
 
 Sections may nest or overlap (two targets in one process, a node that publishes and applies):
 the collector is switched back on when the last one ends, and only if it was on when the
-first began.
+first began. A process forked meanwhile runs none of its parent's sections: its collector is
+switched back on at once (if it was on before them).
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -52,3 +54,14 @@ def collections_deferred() -> Iterator[None]:
             _depth -= 1
             if _depth == 0 and _was_enabled:
                 gc.enable()
+
+
+def _after_fork_in_child() -> None:
+    global _depth, _lock
+    _lock = threading.Lock()  # another thread of the parent may have held it
+    if _depth and _was_enabled:
+        gc.enable()
+    _depth = 0
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -4,6 +4,7 @@ and the collector's own switch restored after them, whatever their end."""
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from collections.abc import Iterator
 
@@ -157,3 +158,15 @@ def test_overlapping_pauses_turn_it_back_on_when_the_last_one_ends() -> None:
     for t in threads:
         t.join(20)
     assert seen == {"after the first ended": False, "after both": True}
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_process_forked_inside_a_section_has_its_collector_on() -> None:
+    with collections_deferred():
+        pid = os.fork()
+        if pid == 0:  # the child: its parent's section is not its own
+            os._exit(0 if gc.isenabled() else 1)
+        assert not gc.isenabled()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert gc.isenabled()
