@@ -280,3 +280,28 @@ def test_receiver_prepares_context_coded_chunks_without_recoding_them() -> None:
     rx.apply(staged)
     assert rx.version == 1
     assert np.array_equal(target.state["w"].view(torch.int16).numpy().ravel(), new.view(np.int16))
+
+
+@pytest.mark.parametrize("count", [0, 1, 17, 4095, 4096, 9000])  # both sides of _SEALED_SCATTER
+@pytest.mark.parametrize("stale_at", [None, 0, "last"])
+def test_short_and_long_segments_scatter_and_seal_alike(count: int, stale_at: object) -> None:
+    """A short segment is scattered and sealed in one kernel (`scatter_sealed`), a long one by
+    the scatter and a vectorized seal: the same words, the same count done, the same seal, and
+    a word changed since staging stops both at it."""
+    from weighthub.codec.prepared import scatter_prepared, scatter_sealed, seal_of
+
+    rng = np.random.default_rng(count)
+    n = 3 * count + 10
+    base = rng.integers(0, 1 << 16, n, dtype=np.uint16)
+    pos = np.sort(rng.choice(n, count, replace=False)).astype(np.int64)
+    old = base[pos].copy()
+    new = (old ^ rng.integers(1, 1 << 16, count, dtype=np.uint16)).astype(np.uint16)
+    stop = {None: count, 0: 0, "last": max(count - 1, 0)}[stale_at]  # type: ignore[index]
+    if stale_at is not None and count:
+        base[pos[stop]] ^= 1  # changed behind the receiver's back
+    a, b = base.copy(), base.copy()
+    done_a, seal_a = scatter_sealed(a, pos, old, new, 777)
+    done_b = scatter_prepared(b, pos, old, new)
+    assert done_a == done_b == (stop if count else 0)
+    assert np.array_equal(a.view(np.int16), b.view(np.int16))
+    assert int(seal_a) == int(seal_of(pos[:done_a], new[:done_a], 777))

@@ -129,6 +129,12 @@ def apply_segment(seg: Segment, dst: np.ndarray, dtype: DType, undo: UndoLog,
         FormatError: a coding the format forbids (`coding.check_coding`), a segment that is
             not `invertible` with inverse=True (both before touching dst), or corrupt streams.
     """
+    if prepared is not None and not inverse:  # its coding was checked while staging it
+        entry = apply_prepared(prepared, dst, undo, where)  # checks dst against it
+        for out, lanes in ((dnew, prepared.new_lanes), (dold, prepared.old_lanes)):
+            if out is not None:
+                out += lanes  # uint64: wraps, as the kernels' sums do
+        return entry
     if dst.size != seg.numel or dst.dtype != dtype.uint:
         raise UsageError(f"{where}: destination {dst.dtype}[{dst.size}] for {seg.numel} "
                          f"{dtype.name} elements")
@@ -140,12 +146,6 @@ def apply_segment(seg: Segment, dst: np.ndarray, dtype: DType, undo: UndoLog,
                               "segment cannot be applied inversely (only xor/add with gaps or "
                               "bitmap positions can)")
         op = K.OP_SUB if seg.op == Op.ADD else op
-    if prepared is not None and not inverse:
-        entry = apply_prepared(prepared, dst, undo, where)
-        for out, lanes in ((dnew, prepared.new_lanes), (dold, prepared.old_lanes)):
-            if out is not None:
-                out += lanes  # uint64: wraps, as the kernels' sums do
-        return entry
     if seg.op == Op.DENSE:
         return _apply_dense(seg, dst, dtype, undo, where, dnew, dold)
     check_sparse(seg, dtype, dst, where)

@@ -72,6 +72,7 @@ def apply_step(step: Step, views: Mapping[str, Words], alias: dict[str, str], un
         prepared = chunk.prepared if chunk.prepared is not None else [None] * len(olds)
         changes: list[tuple[int, bytes]] = []
         on_device: list[tuple[int, torch.Tensor]] = []
+        name = f"{where}/{chunk.ref.key}"
         for seg, seg_old, dseg, prep in zip(chunk.frame.segments, olds, decoded, prepared,
                                             strict=True):
             spec = specs[seg.tensor]
@@ -79,7 +80,6 @@ def apply_step(step: Step, views: Mapping[str, Words], alias: dict[str, str], un
                 continue  # tied to an earlier name: its bits change through that one
             view = views[spec.name]
             if isinstance(view, torch.Tensor):
-                name = f"{where}/{chunk.ref.key}"
                 dst_t = view[seg.start: seg.stop]
                 if dseg is None:
                     dseg = device.decode_segment(seg, dst_t, spec.dtype, name,
@@ -93,11 +93,11 @@ def apply_step(step: Step, views: Mapping[str, Words], alias: dict[str, str], un
             dst = view[seg.start: seg.stop]
             dnew = np.zeros(2, np.uint64) if fold else None
             dold = np.zeros(2, np.uint64) if fold and seg_old is None else None
-            apply_segment(seg, dst, spec.dtype, undo, f"{where}/{chunk.ref.key}",
+            apply_segment(seg, dst, spec.dtype, undo, name,
                           dnew=dnew, dold=dold, inverse=step.inverse, prepared=prep)
             if dnew is not None:
-                before = seg_old if dold is None else lanes_digest(dold)
-                changes.append((seg.tensor, digest_sub(lanes_digest(dnew), before or b"")))
+                changes.append((seg.tensor, lanes_digest(dnew - dold) if dold is not None  # wraps
+                                else digest_sub(lanes_digest(dnew), seg_old or b"")))
             touched.add(seg.tensor)
         changes += zip([ti for ti, _ in on_device],
                        device.lanes_to_digests([lanes for _, lanes in on_device]), strict=True)
