@@ -24,6 +24,7 @@ import zstandard
 from ..codec.coding import CONTEXT_CODINGS, Op, Positions, Values, check_coding, parse_enum
 from ..codec.segment import Segment
 from ..errors import ChecksumError, FormatError, FormatVersionError, LimitError, UsageError
+from . import table_kernel
 
 MAGIC = b"WHCK"
 FORMAT_VERSION = 2  # what writers emit unless told otherwise
@@ -140,22 +141,16 @@ def _records_v1(mv: memoryview, nseg: int) -> list[tuple[int, ...]]:
 
 def _records_v2(table: bytes, nseg: int, where: str) -> list[tuple[int, ...]]:
     """The version-2 table as version-1 record tuples; strict (spec §1 "Segment table, v2")."""
+    fields = np.empty((nseg, table_kernel.FIELDS), np.uint64)
+    done, error, off = table_kernel.parse_records(np.frombuffer(table, np.uint8), nseg, fields)
+    if error == table_kernel.OUT_OF_RANGE:
+        tensor, _coding, start, n_minus_1 = fields[done, :4].tolist()
+        raise FormatError(f"{where} segment {done}: tensor {tensor} or range end "
+                          f"{start + n_minus_1 + 1} out of the format's range (u32, u64)")
+    if error:
+        raise FormatError(f"{where} segment {done}: " + _TABLE_ERRORS[error])
     out: list[tuple[int, ...]] = []
-    off = 0
-    for i in range(nseg):
-        tensor, off = _get_varint(table, off, where, i)
-        if off >= len(table):
-            raise FormatError(f"{where} segment {i}: the segment table ends inside the record")
-        coding = table[off]
-        off += 1
-        start, off = _get_varint(table, off, where, i)
-        n_minus_1, off = _get_varint(table, off, where, i)
-        count, off = _get_varint(table, off, where, i)
-        plen, off = _get_varint(table, off, where, i)
-        vlen, off = _get_varint(table, off, where, i)
-        if start + n_minus_1 + 1 >= 1 << 64 or tensor >= 1 << 32:
-            raise FormatError(f"{where} segment {i}: tensor {tensor} or range end "
-                              f"{start + n_minus_1 + 1} out of the format's range (u32, u64)")
+    for tensor, coding, start, n_minus_1, count, plen, vlen in fields.tolist():
         out.append((tensor, (coding & 3) + 1, (coding >> 2) & 7, coding >> 5, 0, start,
                     start + n_minus_1 + 1, count, plen, vlen))
     if off != len(table):
@@ -164,24 +159,29 @@ def _records_v2(table: bytes, nseg: int, where: str) -> list[tuple[int, ...]]:
     return out
 
 
-def _get_varint(buf: bytes, off: int, where: str, i: int) -> tuple[int, int]:
-    """One table varint: at most 10 bytes, below 2^64, shortest form (a reader refuses others)."""
-    v = shift = 0
-    for k in range(MAX_VARINT_BYTES):
-        if off + k >= len(buf):
-            raise FormatError(f"{where} segment {i}: the segment table ends inside a varint")
-        b = buf[off + k]
-        if k and b == 0:
-            raise FormatError(f"{where} segment {i}: a varint in the segment table is not in its "
-                              "shortest form")
-        v |= (b & 0x7F) << shift
-        shift += 7
-        if not b & 0x80:
-            if v >= 1 << 64:
-                break
-            return v, off + k + 1
-    raise FormatError(f"{where} segment {i}: a varint in the segment table is over 10 bytes or "
-                      "above 2^64 − 1")
+_TABLE_ERRORS = {
+    table_kernel.ENDS_IN_RECORD: "the segment table ends inside the record",
+    table_kernel.ENDS_IN_VARINT: "the segment table ends inside a varint",
+    table_kernel.NOT_SHORTEST: "a varint in the segment table is not in its shortest form",
+    table_kernel.TOO_LONG: "a varint in the segment table is over 10 bytes or above 2^64 − 1",
+}
+
+
+def _accepted_codings() -> dict[tuple[int, int, int], tuple[Op, Positions, Values]]:
+    """Every (op, positions, values) id triple `check_coding` accepts, as enums."""
+    out = {}
+    for op in Op:
+        for pos in Positions:
+            for val in Values:
+                try:
+                    check_coding(op, pos, val, "")
+                except FormatError:
+                    continue
+                out[(int(op), int(pos), int(val))] = (op, pos, val)
+    return out
+
+
+_CODINGS = _accepted_codings()
 
 
 def _check_record(op: Op, positions: Positions, values: Values, n: int, count: int, plen: int,
@@ -248,13 +248,19 @@ def decode_chunk(buf: bytes | memoryview, *, where: str, max_body: int = MAX_BOD
     total = 0
     for i, f in enumerate(records):
         tensor, op, pos, val, _r, start, stop, count, plen, vlen = f
-        seg_where = f"{where} segment {i}"
-        op_e = Op(parse_enum(Op, op, seg_where))
-        pos_e = Positions(parse_enum(Positions, pos, seg_where))
-        val_e = Values(parse_enum(Values, val, seg_where))
+        coding = _CODINGS.get((op, pos, val))  # a combination readers accept, known
+        if coding is None:  # or not: say which field is wrong
+            seg_where = f"{where} segment {i}"
+            coding = (Op(parse_enum(Op, op, seg_where)),
+                      Positions(parse_enum(Positions, pos, seg_where)),
+                      Values(parse_enum(Values, val, seg_where)))
+            check_coding(*coding, seg_where)
+        op_e, pos_e, val_e = coding
         if not start < stop or count > stop - start:
-            raise FormatError(f"{seg_where}: bad range [{start}, {stop}) with count {count}")
-        _check_record(op_e, pos_e, val_e, stop - start, count, plen, seg_where)
+            raise FormatError(f"{where} segment {i}: bad range [{start}, {stop}) with count {count}")
+        if (op_e == Op.DENSE and (count != stop - start or plen != 0)) \
+                or (pos_e == Positions.BITMAP and plen != (stop - start + 7) // 8):
+            _check_record(op_e, pos_e, val_e, stop - start, count, plen, f"{where} segment {i}")
         total += plen + vlen
         heads.append((tensor, op_e, pos_e, val_e, start, stop, count, plen, vlen))
     if total != raw_len:
