@@ -130,8 +130,10 @@ def _entropy_bytes(stream: np.ndarray) -> float:
 
 def width_masks(dtype: DType) -> tuple[np.uint64, int]:
     """(2^B − 1, B − 1) for the dtype's width of B bits: the kernels' value mask and sign bit."""
-    bits_ = 8 * dtype.width
-    return np.uint64((1 << bits_) - 1), bits_ - 1
+    return _WIDTH_MASKS[dtype.width]  # once per segment: a table, not a numpy scalar made each time
+
+
+_WIDTH_MASKS = {w: (np.uint64((1 << 8 * w) - 1), 8 * w - 1) for w in (1, 2, 4, 8)}
 
 
 def _varint_bound(count: int) -> int:
