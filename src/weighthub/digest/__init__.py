@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from ..lazy import lazy_exports
 from .root import root_digest
-from .sums import DIGEST_BYTES, ZERO_DIGEST, digest_add, digest_sub, lanes_digest
+from .sums import DIGEST_BYTES, ZERO_DIGEST, add_digests, digest_add, digest_sub, lanes_digest
 
 if TYPE_CHECKING:
     from .linear import as_words, digest_affine, digest_at, digest_bits, digest_change, tensor_digest
@@ -35,6 +35,7 @@ __all__ = [
     "DIGEST_BYTES",
     "ZERO_DIGEST",
     "as_words",
+    "add_digests",
     "digest_add",
     "digest_affine",
     "digest_at",

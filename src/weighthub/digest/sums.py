@@ -7,6 +7,8 @@ disjoint sets of elements add lane-wise, and an update adds the difference of wh
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from ..errors import UsageError
@@ -47,3 +49,28 @@ def digest_sub(a: bytes, b: bytes) -> bytes:
     """
     (a0, a1), (b0, b1) = _unpack(a), _unpack(b)
     return _pack(a0 - b0, a1 - b1)
+
+
+def add_digests(into: dict[str, bytes], changes: Sequence[tuple[str, bytes]]) -> None:
+    """into[name] += change for every (name, change), lane-wise mod 2^64 (`digest_add`), in one
+    numpy pass: a model of thousands of small tensors has a change or more per tensor, and the
+    bytes arithmetic costs ~5 µs each (tens of ms a version). Every name must be in `into`.
+
+    Raises UsageError if a digest is not 16 bytes (nothing changed then).
+    """
+    if not changes:
+        return
+    names = list(dict.fromkeys(n for n, _ in changes))
+    slot = {n: k for k, n in enumerate(names)}
+    held = b"".join(into[n] for n in names)
+    deltas = b"".join(c for _, c in changes)
+    if len(held) != DIGEST_BYTES * len(names) or len(deltas) != DIGEST_BYTES * len(changes):
+        bad = next(d for d in [*(into[n] for n in names), *(c for _, c in changes)]
+                   if len(d) != DIGEST_BYTES)
+        raise UsageError(f"a digest is {DIGEST_BYTES} bytes, got {len(bad)}")
+    total = np.frombuffer(held, "<u8").reshape(-1, 2).copy()
+    at = np.fromiter((slot[n] for n, _ in changes), np.int64, len(changes))
+    np.add.at(total, at, np.frombuffer(deltas, "<u8").reshape(-1, 2))  # uint64: wraps
+    out = total.tobytes()
+    for k, n in enumerate(names):
+        into[n] = out[DIGEST_BYTES * k: DIGEST_BYTES * (k + 1)]

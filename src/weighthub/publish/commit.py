@@ -15,7 +15,7 @@ import time
 import xxhash
 
 from .. import catalog
-from ..digest import ZERO_DIGEST, digest_add, root_digest
+from ..digest import ZERO_DIGEST, add_digests, root_digest
 from ..errors import ObjectExists, PeerUnavailable, WeighthubError
 from ..format import Manifest, TensorEntry, encode_manifest
 from ..format.manifest import KIND, MANIFEST_FORMAT
@@ -45,9 +45,7 @@ def assemble(plan: Plan, written: list[Written], base: tuple[int, str] | None, p
         digests, root = digests_of(known), known.root
     else:
         digests = {s.name: ZERO_DIGEST for s in plan.specs}
-        for w in written:
-            for name, d in w.digests.items():
-                digests[name] = digest_add(digests[name], d)
+        add_digests(digests, [pair for w in written for pair in w.digests.items()])
         root = root_digest((s, digests[s.name]) for s in plan.specs).hex()
     changed = {s.name: sum(w.changed.get(s.name, 0) for w in written) for s in plan.specs}
     tensors = [TensorEntry(s.name, s.dtype.name, list(s.shape), digests[s.name].hex(),

@@ -10,6 +10,7 @@ views, which is how CPU-only tests run the device code.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -38,6 +39,13 @@ class Shard:
     def published(self) -> bool:
         """Does this rank write chunks (and digest contributions) for the tensor?"""
         return self.box.primary and self.box.numel > 0
+
+
+@functools.lru_cache(maxsize=1024)
+def whole_box(shape: tuple[int, ...]) -> ShardBox:
+    """The box of a whole tensor of `shape` (immutable: one per shape, not one per tensor and
+    publish, whose checks cost ~2 µs each for a model of thousands of like-shaped tensors)."""
+    return ShardBox(shape, (0,) * len(shape), shape)
 
 
 def resolve(state: Mapping[str, torch.Tensor], shard_map: Mapping[str, ShardBox] | None, *,
@@ -73,8 +81,7 @@ def resolve(state: Mapping[str, torch.Tensor], shard_map: Mapping[str, ShardBox]
         elif name in shard_map:
             box, local = shard_map[name], t.detach()
         elif whole:
-            shape = tuple(t.shape)
-            box, local = ShardBox(shape, (0,) * len(shape), shape), t.detach()
+            box, local = whole_box(tuple(t.shape)), t.detach()
         else:
             raise PlacementError(f"tensor {name!r} is a plain tensor with no entry in "
                                  "shard_map: pass its ShardBox (or a DTensor)")

@@ -31,7 +31,7 @@ from ..codec.encode import (
     encode_segment,
     encode_segment_tracked,
 )
-from ..digest import ZERO_DIGEST, digest_add, digest_affine, digest_change
+from ..digest import ZERO_DIGEST, add_digests, digest_add, digest_affine, digest_change
 from ..errors import UsageError
 from ..format import ChunkRef, chunk_checksum, encode_chunk
 from ..layout import Piece, ShardBox, plan_pieces
@@ -132,6 +132,7 @@ def write_chunks(stream: Stream, shards: dict[str, Shard], base: Baseline | None
     # representation starts from nothing and adds every run's words
     digests = {s.spec.name: ZERO_DIGEST if base is None else base.digests[s.spec.name]
                for s in mine}
+    tracked: list[tuple[str, bytes]] = []  # (tensor, digest change) of every chunk
     t_start = time.perf_counter()
     # Left in reverse order: the chunks still to encode are cancelled (after a failure), then
     # the encoders finish (a running encode still submits its put), then the puts: every key
@@ -149,11 +150,10 @@ def write_chunks(stream: Stream, shards: dict[str, Shard], base: Baseline | None
                 out.ops.setdefault(name, set()).add(
                     f"{seg.op.name}/{seg.positions.name}/{seg.values.name}".lower())
             if stream.track:
-                for ti, change in changes:
-                    name = by_index[ti].spec.name
-                    digests[name] = digest_add(digests[name], change)
+                tracked += [(by_index[ti].spec.name, change) for ti, change in changes]
     out.stream_seconds = time.perf_counter() - t_start
     if stream.track:
+        add_digests(digests, tracked)
         out.digests = digests
 
 
@@ -218,7 +218,7 @@ def encode_piece(piece: Piece, shard: Shard, old: Words | None, policy: EncodePo
             seg, d = _host_run(None if before is None else host_only(before), new[run.lo:run.hi],
                                shard.spec.dtype, tensor=piece.tensor, start=run.start,
                                policy=policy, track=track)
-        change = digest_add(change, d)
+        change = d if change is ZERO_DIGEST else digest_add(change, d)  # mostly one run
         if seg is not None:
             segments.append(seg)
     return segments, change
