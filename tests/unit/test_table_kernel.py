@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from reference_codec import leb128
 from weighthub.errors import FormatError
 from weighthub.format.chunk import _records_v2
 
@@ -59,15 +60,6 @@ def _reference(table: bytes, nseg: int) -> list[tuple[int, ...]] | str:
     return out
 
 
-def _put(v: int) -> bytes:
-    out = bytearray()
-    while v >= 0x80:
-        out.append((v & 0x7F) | 0x80)
-        v >>= 7
-    out.append(v)
-    return bytes(out)
-
-
 def _agree(table: bytes, nseg: int) -> None:
     want = _reference(table, nseg)
     try:
@@ -83,9 +75,9 @@ def _random_table(rng: np.random.Generator, nseg: int) -> bytes:
     for _ in range(nseg):
         vals = [int(rng.choice(big)) if rng.random() < 0.3 else int(rng.integers(0, 1 << 20))
                 for _ in range(6)]
-        out += _put(vals[0]) + bytes([int(rng.integers(0, 256))])
+        out += leb128(vals[0]) + bytes([int(rng.integers(0, 256))])
         for v in vals[1:]:
-            out += _put(v)
+            out += leb128(v)
     return bytes(out)
 
 
@@ -120,7 +112,7 @@ def test_random_and_mutated_tables_parse_as_the_reference_reader_does(seed: int)
 ])
 @pytest.mark.parametrize("field", range(6))
 def test_every_varint_boundary_in_every_field(varint: bytes, field: int) -> None:
-    fields = [_put(3), b"\x44", _put(10), _put(5), _put(2), _put(4), _put(6)]
+    fields = [leb128(3), b"\x44", leb128(10), leb128(5), leb128(2), leb128(4), leb128(6)]
     fields[field if field == 0 else field + 1] = varint
     _agree(b"".join(fields), 1)
-    _agree(b"".join(fields) + b"".join([_put(3), b"\x44", _put(1)] + [_put(1)] * 4), 2)
+    _agree(b"".join(fields) + b"".join([leb128(3), b"\x44", leb128(1)] + [leb128(1)] * 4), 2)
