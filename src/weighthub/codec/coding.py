@@ -155,6 +155,12 @@ class EncodePolicy:
       weighthub older than the ans coding (a rolling upgrade).
     frame_version: the chunk frame version written (spec §1): 2 (varint segment records), or 1
       while some receivers run a weighthub that reads only version 1 (a rolling upgrade).
+    shared_tables: the order-0 streams of a small range (≤ 4096 elements) will share one zstd
+      table with many other small ranges' (the publisher sets it for each chunk made mostly of
+      them, `publish.stream.chunk_policy`), so it is not context-coded: each context-coded
+      segment's models start from nothing. Unset, a small range is context-coded whenever that
+      is smaller than its streams as written (in a chunk of context-coded ranges they go raw;
+      in a chunk of their own they pay a table).
     """
 
     mask_ops: bool = True
@@ -165,6 +171,7 @@ class EncodePolicy:
     ctx: bool = True
     coder: str = "ans"
     frame_version: int = 2
+    shared_tables: bool = False
 
 
 # Named encoder policies (Publisher(policy=...), `weighthub publish --encode NAME`). Measured with

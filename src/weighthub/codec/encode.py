@@ -260,10 +260,10 @@ def _scan_limit(n: int) -> int:
     # and the size comparison in _encode still picks dense when that is smaller, but a counter
     # that changes every step no longer forces a dense segment, which would make the whole delta
     # impossible to undo on a rollback (catalog.invertible).
-    return n if n <= _ALWAYS_SCAN else n - n // 16
+    return n if n <= SMALL_RANGE else n - n // 16
 
 
-_ALWAYS_SCAN = 4096  # elements
+SMALL_RANGE = 4096  # elements: always scanned; coded by what they write (encode_range)
 # Bytes a sparse xor/add segment may cost beyond dense and still be chosen: it keeps the delta
 # invertible (a rollback undoes it instead of fetching a full version); only ties on tiny
 # ranges are decided by it.
@@ -286,7 +286,8 @@ def encode_range(rc: RangeChanges, dtype: DType, *, tensor: int, start: int,
     dense_est = n * dtype.width * (_DENSE_RATIO if dtype.is_float else 1.0)
     val_est, op, val_codec = _pick_values(ch, dtype, policy)
     ctx = None
-    if policy.ctx and policy.groups and policy.mask_ops and dtype.is_float:
+    if (policy.ctx and policy.groups and policy.mask_ops and dtype.is_float
+            and (n > SMALL_RANGE or not policy.shared_tables)):  # small ones share tables
         ctx = _ctx_segment(rc, dtype, tensor, start, op, policy)
         if ctx is not None and pos.size >= _CTX_SURE:
             # on this many changes the context coder's adaptive models have learnt what order-0
@@ -307,7 +308,7 @@ def encode_range(rc: RangeChanges, dtype: DType, *, tensor: int, start: int,
     pos_est, pos_codec, pos_bytes = min(candidates, key=lambda c: c[0])
 
     val_bytes = _encode_vals(ch, val_codec, dtype)
-    if n <= _ALWAYS_SCAN:
+    if n <= SMALL_RANGE:
         # a small range's streams are too short for zstd to shrink (the estimates' fixed 16-byte
         # table cost would make dense win for a lone changed counter): compare what is written
         sparse_bytes, dense_bytes = float(pos_bytes.size + val_bytes.size), float(n * dtype.width)

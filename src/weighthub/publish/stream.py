@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Generator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar, cast
 
 import numpy as np
@@ -26,6 +26,7 @@ import torch
 
 from ..codec import EncodePolicy, Segment, device_encode
 from ..codec.encode import (
+    SMALL_RANGE,
     changed_positions,
     encode_changes,
     encode_segment,
@@ -107,15 +108,16 @@ def write_chunks(stream: Stream, shards: dict[str, Shard], base: Baseline | None
         changes: list[tuple[int, bytes]] = []
         covers: list[tuple[int, int, int]] = []
         boxes: list[tuple[int, list[int], list[int]]] = []
+        policy = chunk_policy(pieces, stream.policy)
         for piece in pieces:
             shard = by_index[piece.tensor]
             old = None if base is None else base.bits[shard.spec.name]
             if piece.tensor in stream.boxed:
-                segs, change = encode_box_piece(piece, shard, old, stream.policy, stream.track)
+                segs, change = encode_box_piece(piece, shard, old, policy, stream.track)
                 offset, shape = piece.region()
                 boxes.append((piece.tensor, list(offset), list(shape)))
             else:
-                segs, change = encode_piece(piece, shard, old, stream.policy, stream.track)
+                segs, change = encode_piece(piece, shard, old, policy, stream.track)
                 covers += piece.covers()
             segments += segs
             changes.append((piece.tensor, change))
@@ -155,6 +157,35 @@ def write_chunks(stream: Stream, shards: dict[str, Shard], base: Baseline | None
     if stream.track:
         add_digests(digests, tracked)
         out.digests = digests
+
+
+# A chunk with at least this many pieces of at most SMALL_RANGE elements, holding most of its
+# elements, codes them for one shared zstd table (EncodePolicy.shared_tables).
+_SHARED_MIN_PIECES = 8
+
+
+def chunk_policy(pieces: list[Piece], policy: EncodePolicy) -> EncodePolicy:
+    """The policy of one chunk: with `shared_tables` where it is mostly small pieces.
+
+    Their order-0 streams then make the frame zstd'd (format/chunk.py), one table for all,
+    which context-coding each small range separately cannot beat: 14-24% more bytes than
+    `fast` on models of thousands of 2-4k-element tensors at 2-5% changed. In a chunk of large
+    ranges, the few small ones' streams would go raw (the frame is nearly all context-coded,
+    so not zstd'd), and in a chunk of one small range they would pay a table of their own:
+    there each is context-coded whenever that is smaller than what it would write. Pieces
+    decide it, not bytes: every backend and every rank count alike.
+    """
+    if not (policy.ctx and policy.groups) or policy.shared_tables:
+        return policy  # no context coding, or the caller chose
+    small = total = count = 0
+    for p in pieces:
+        n = p.hi - p.lo
+        total += n
+        if n <= SMALL_RANGE:
+            small, count = small + n, count + 1
+    if count >= _SHARED_MIN_PIECES and 2 * small >= total:
+        return replace(policy, shared_tables=True)
+    return policy
 
 
 # Below this mean piece size (elements), one encoder thread beats two. Each piece costs ~10
