@@ -32,6 +32,7 @@ from ..codec.encode import (
     encode_segment,
     encode_segment_tracked,
 )
+from ..codec.small import SmallRange, bulk_ready, encode_small, order0_small
 from ..digest import ZERO_DIGEST, add_digests, digest_add, digest_affine, digest_change
 from ..errors import UsageError
 from ..format import ChunkRef, chunk_checksum, encode_chunk
@@ -109,10 +110,14 @@ def write_chunks(stream: Stream, shards: dict[str, Shard], base: Baseline | None
         covers: list[tuple[int, int, int]] = []
         boxes: list[tuple[int, list[int], list[int]]] = []
         policy = chunk_policy(pieces, stream.policy)
-        for piece in pieces:
+        bulk = coded_in_bulk(pieces, by_index, base, policy, stream.boxed)
+        for j, piece in enumerate(pieces):
             shard = by_index[piece.tensor]
             old = None if base is None else base.bits[shard.spec.name]
-            if piece.tensor in stream.boxed:
+            if j in bulk:
+                segs, change = bulk[j]
+                covers += piece.covers()
+            elif piece.tensor in stream.boxed:
                 segs, change = encode_box_piece(piece, shard, old, policy, stream.track)
                 offset, shape = piece.region()
                 boxes.append((piece.tensor, list(offset), list(shape)))
@@ -186,6 +191,36 @@ def chunk_policy(pieces: list[Piece], policy: EncodePolicy) -> EncodePolicy:
     if count >= _SHARED_MIN_PIECES and 2 * small >= total:
         return replace(policy, shared_tables=True)
     return policy
+
+
+def coded_in_bulk(pieces: list[Piece], shards: dict[int, Shard], base: Baseline | None,
+                  policy: EncodePolicy, boxed: frozenset[int]
+                  ) -> dict[int, tuple[list[Segment], bytes]]:
+    """The segments and digest change of each piece (by its index in `pieces`) that is one
+    small host range of a delta coded without context: all of a dtype in one kernel call
+    (codec.small), as encode_piece would code them one by one."""
+    if base is None:
+        return {}
+    by_dtype: dict[DType, list[tuple[int, SmallRange]]] = {}
+    for j, piece in enumerate(pieces):
+        shard = shards[piece.tensor]
+        if (piece.hi - piece.lo > SMALL_RANGE or piece.tensor in boxed
+                or isinstance(shard.new, torch.Tensor) or not order0_small(policy, shard.spec.dtype)):
+            continue
+        runs, old = piece.runs(), base.bits[shard.spec.name]
+        if len(runs) != 1 or not isinstance(old, np.ndarray):
+            continue
+        run = runs[0]
+        before, after = old[run.lo:run.hi], shard.new[run.lo:run.hi]
+        if bulk_ready(before, after):
+            by_dtype.setdefault(shard.spec.dtype, []).append(
+                (j, SmallRange(piece.tensor, run.start, before, after)))
+    coded: dict[int, tuple[list[Segment], bytes]] = {}
+    for dtype, items in by_dtype.items():
+        for (j, _), (seg, change) in zip(items, encode_small([r for _, r in items], dtype, policy),
+                                         strict=True):
+            coded[j] = ([] if seg is None else [seg], change)
+    return coded
 
 
 # Below this mean piece size (elements), one encoder thread beats two. Each piece costs ~10
