@@ -6,7 +6,7 @@ zstd table): the element-wise scan, the digest change, the value coding chosen b
 estimates, gaps or a bitmap by the same estimates, and dense where the sparse streams would not
 be smaller. It calls the very kernels that path calls, in the same order, so every estimate,
 choice and byte is the same; a range whose changes reach the grouped coding's minimum is left
-to `encode_range` (FALLBACK). The ranges' words are reached through their addresses (`_words`):
+to `encode_range` (FALLBACK). The ranges' words are reached through their addresses (`words_at`):
 thousands of arrays cannot be passed to one call any other way without copying them.
 """
 
@@ -45,7 +45,7 @@ def _pointer(typingctx, address):
 
 
 @njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def _words(address, n, proto):
+def words_at(address, n, proto):
     return numba.carray(_pointer(address), n, proto.dtype)
 
 
@@ -80,7 +80,7 @@ def code_small_ranges(olds, news, sizes, starts, proto, mask, sign_shift, mask_o
     used = 0
     for i in range(m):
         n = sizes[i]
-        k = K.scan_tail(_words(olds[i], n, proto), _words(news[i], n, proto), 0, n, pos, ov, nv, 0)
+        k = K.scan_tail(words_at(olds[i], n, proto), words_at(news[i], n, proto), 0, n, pos, ov, nv, 0)
         counts[i] = k
         if k == 0:
             kinds[i] = NOTHING

@@ -34,13 +34,14 @@ from ..codec import Op, Positions, Segment, regap_segment
 from ..codec.coding import CONTEXT_CODINGS
 from ..codec.digest import staged_old_digest
 from ..codec.prepared import PreparedSegment, prepare_segment
-from ..errors import FormatError, ObjectNotFound
+from ..codec.prepared_many import gap_coded, prepare_gap_segments
+from ..errors import FormatError, ObjectNotFound, UsageError
 from ..format import ChunkFrame, ChunkRef, Manifest, decode_chunk
 from ..format.chunk import body_bound, declared_body
 from ..layout import ShardBox, segment_outside
 from ..sources import ChunkId, SourceList
 from ..targets.base import Held, Target
-from ..tensors import TensorSpec, Words, dtype_named
+from ..tensors import DType, TensorSpec, Words, dtype_named
 from .device import DeviceSegment, decode_segment
 from .inputs import Chunk, Step
 
@@ -134,8 +135,14 @@ def decode_first(frame: ChunkFrame, specs: list[TensorSpec], base_bits: Mapping[
     bits (`regap`), and the digest lanes of the words it replaces for the others (`old_digest`,
     with incremental verification)."""
     decoded = [device_decoded(seg, specs, base_bits, where) for seg in frame.segments]
+    bulk = {} if inverse else prepared_in_bulk(frame.segments, specs, base_bits, where)
 
-    def staged(seg: Segment) -> tuple[Segment, PreparedSegment | None]:
+    def staged(j: int, seg: Segment) -> tuple[Segment, PreparedSegment | None]:
+        if j in bulk:
+            done = bulk[j]
+            if isinstance(done, Exception):  # raised where the segment comes, as prepare would
+                raise done
+            return seg, done
         if not inverse and seg.positions in CONTEXT_CODINGS:
             prep = prepare(seg, specs, base_bits, where)
             if prep is not None:  # placed straight from its coder: no re-coding as gaps
@@ -143,7 +150,7 @@ def decode_first(frame: ChunkFrame, specs: list[TensorSpec], base_bits: Mapping[
         seg = regap(seg, specs, base_bits, where)
         return seg, None if inverse else prepare(seg, specs, base_bits, where)
 
-    pairs = [staged(seg) for seg in frame.segments]
+    pairs = [staged(j, seg) for j, seg in enumerate(frame.segments)]
     regapped = ChunkFrame(tuple(seg for seg, _ in pairs))
     prepared = [prep for _, prep in pairs]
     olds = ([None if prep is not None else old_digest(seg, specs, base_bits, where)
@@ -233,6 +240,27 @@ def prepare(seg: Segment, specs: list[TensorSpec], base_bits: Mapping[str, Words
     if spec is None or base is None:
         return None
     return prepare_segment(seg, base[seg.start: seg.stop], spec.dtype, where)
+
+
+def prepared_in_bulk(segments: tuple[Segment, ...], specs: list[TensorSpec],
+                     base_bits: Mapping[str, Words], where: str
+                     ) -> dict[int, PreparedSegment | FormatError | UsageError]:
+    """`prepare` of every gap-coded segment of a host tensor (by its index in `segments`), in
+    one kernel call per dtype (codec.prepared_many); each refused one as the error `prepare`
+    raises."""
+    by_dtype: dict[DType, list[tuple[int, Segment, np.ndarray]]] = {}
+    for j, seg in enumerate(segments):
+        if not gap_coded(seg) or seg.tensor >= len(specs):
+            continue
+        spec = specs[seg.tensor]
+        base = _host_base(base_bits, spec)
+        if base is not None:
+            by_dtype.setdefault(spec.dtype, []).append((j, seg, base[seg.start: seg.stop]))
+    out: dict[int, PreparedSegment | FormatError | UsageError] = {}
+    for dtype, items in by_dtype.items():
+        done = prepare_gap_segments([s for _, s, _ in items], [b for _, _, b in items], dtype, where)
+        out.update(zip((j for j, _, _ in items), done, strict=True))
+    return out
 
 
 def device_decoded(seg: Segment, specs: list[TensorSpec], views: Mapping[str, Words],
