@@ -50,7 +50,7 @@ class ShardBox:
             raise PlacementError(f"shard box offset {list(o)} shape {list(s)} does not fit in a "
                                  f"tensor of shape {list(g)}")
 
-    @property
+    @cached_property  # the box is frozen; read ~10 times per piece and publish
     def numel(self) -> int:
         return math.prod(self.shape)
 
@@ -82,7 +82,7 @@ class ShardBox:
                 return j
         return -1
 
-    @property
+    @cached_property
     def run_len(self) -> int:
         """Elements per contiguous canonical run (the whole box when nothing is cut)."""
         return math.prod(self.shape[max(self.cut, 0):]) if self.cut >= 0 else self.numel

@@ -36,7 +36,7 @@ from ..codec.small import SmallRange, bulk_ready, encode_small, order0_small
 from ..digest import ZERO_DIGEST, add_digests, digest_add, digest_affine, digest_change
 from ..errors import UsageError
 from ..format import ChunkRef, chunk_checksum, encode_chunk
-from ..layout import Piece, ShardBox, plan_pieces
+from ..layout import Piece, Run, ShardBox, plan_pieces
 from ..store import Store
 from ..tensors import DType, Words
 from .baseline import Baseline, as_device_words
@@ -115,8 +115,8 @@ def write_chunks(stream: Stream, shards: dict[str, Shard], base: Baseline | None
             shard = by_index[piece.tensor]
             old = None if base is None else base.bits[shard.spec.name]
             if j in bulk:
-                segs, change = bulk[j]
-                covers += piece.covers()
+                segs, change, run = bulk[j]
+                covers.append((piece.tensor, run.start, run.stop))
             elif piece.tensor in stream.boxed:
                 segs, change = encode_box_piece(piece, shard, old, policy, stream.track)
                 offset, shape = piece.region()
@@ -195,13 +195,13 @@ def chunk_policy(pieces: list[Piece], policy: EncodePolicy) -> EncodePolicy:
 
 def coded_in_bulk(pieces: list[Piece], shards: dict[int, Shard], base: Baseline | None,
                   policy: EncodePolicy, boxed: frozenset[int]
-                  ) -> dict[int, tuple[list[Segment], bytes]]:
-    """The segments and digest change of each piece (by its index in `pieces`) that is one
-    small host range of a delta coded without context: all of a dtype in one kernel call
+                  ) -> dict[int, tuple[list[Segment], bytes, Run]]:
+    """The segments, digest change and run of each piece (by its index in `pieces`) that is
+    one small host range of a delta coded without context: all of a dtype in one kernel call
     (codec.small), as encode_piece would code them one by one."""
     if base is None:
         return {}
-    by_dtype: dict[DType, list[tuple[int, SmallRange]]] = {}
+    by_dtype: dict[DType, list[tuple[int, SmallRange, Run]]] = {}
     for j, piece in enumerate(pieces):
         shard = shards[piece.tensor]
         if (piece.hi - piece.lo > SMALL_RANGE or piece.tensor in boxed
@@ -214,12 +214,12 @@ def coded_in_bulk(pieces: list[Piece], shards: dict[int, Shard], base: Baseline 
         before, after = old[run.lo:run.hi], shard.new[run.lo:run.hi]
         if bulk_ready(before, after):
             by_dtype.setdefault(shard.spec.dtype, []).append(
-                (j, SmallRange(piece.tensor, run.start, before, after)))
-    coded: dict[int, tuple[list[Segment], bytes]] = {}
+                (j, SmallRange(piece.tensor, run.start, before, after), run))
+    coded: dict[int, tuple[list[Segment], bytes, Run]] = {}
     for dtype, items in by_dtype.items():
-        for (j, _), (seg, change) in zip(items, encode_small([r for _, r in items], dtype, policy),
-                                         strict=True):
-            coded[j] = ([] if seg is None else [seg], change)
+        done = encode_small([r for _, r, _ in items], dtype, policy)
+        for (j, _, run), (seg, change) in zip(items, done, strict=True):
+            coded[j] = ([] if seg is None else [seg], change, run)
     return coded
 
 
