@@ -16,6 +16,7 @@ from weighthub.codec import Segment
 from weighthub.codec.coding import ENCODE_PROFILES, EncodePolicy
 from weighthub.codec.encode import SMALL_RANGE, encode_segment_tracked
 from weighthub.codec.small import SmallRange, bulk_ready, encode_small, order0_small
+from weighthub.errors import UsageError
 from weighthub.publish import Publisher
 from weighthub.receive import Receiver
 from weighthub.store import MemoryStore
@@ -120,7 +121,7 @@ def test_bad_ranges_are_not_taken() -> None:
     assert not bulk_ready(np.zeros(SMALL_RANGE + 1, np.uint16), np.zeros(SMALL_RANGE + 1, np.uint16))
     assert not bulk_ready(a[:0], a[:0])
     assert encode_small([], DTYPES[0], ENCODE_PROFILES["fast"]) == []
-    with pytest.raises(ValueError, match="width"):
+    with pytest.raises(UsageError, match="width"):
         encode_small([SmallRange(0, 0, np.zeros(4, np.uint32), np.ones(4, np.uint32))], DTYPES[0],
                      ENCODE_PROFILES["fast"])
 

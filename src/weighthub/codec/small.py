@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..digest.sums import lanes_digest
+from ..errors import UsageError
 from ..tensors import DType
 from .coding import EncodePolicy, Op, Positions, Values
 from .encode import SMALL_RANGE, encode_segment_tracked, width_masks
@@ -59,7 +60,7 @@ def encode_small(ranges: list[SmallRange], dtype: DType, policy: EncodePolicy
         return []
     words = np.dtype(dtype.uint)
     if any(r.new.dtype.itemsize != words.itemsize for r in ranges):
-        raise ValueError(f"encode_small: words of another width than {dtype.name}'s")
+        raise UsageError(f"encode_small: words of another width than {dtype.name}'s")
     olds = np.fromiter((r.old.ctypes.data for r in ranges), np.int64, m)
     news = np.fromiter((r.new.ctypes.data for r in ranges), np.int64, m)
     sizes = np.fromiter((r.new.size for r in ranges), np.int64, m)

@@ -254,7 +254,8 @@ def prepared_in_bulk(segments: tuple[Segment, ...], specs: list[TensorSpec],
             continue
         spec = specs[seg.tensor]
         base = _host_base(base_bits, spec)
-        if base is not None:
+        if base is not None and all(a.flags.c_contiguous  # else prepare copies them
+                                    for a in (base, seg.pos_bytes, seg.val_bytes)):
             by_dtype.setdefault(spec.dtype, []).append((j, seg, base[seg.start: seg.stop]))
     out: dict[int, PreparedSegment | FormatError | UsageError] = {}
     for dtype, items in by_dtype.items():
