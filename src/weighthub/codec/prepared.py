@@ -86,9 +86,7 @@ def prepare_segment(seg: Segment, base: np.ndarray, dtype: DType,
         check_status(decode_value_stream(int(seg.values), readonly(seg.val_bytes), seg.count,
                                          dtype.width, z), where)
     else:
-        if seg.count > seg.pos_bytes.size:  # every gap takes at least one byte
-            raise FormatError(f"{where}: {seg.count} changes in a {seg.pos_bytes.size}-byte gap "
-                              "stream")
+        check_gap_count(seg, where)
         pos = np.empty(seg.count, np.int64)
         z = np.empty(seg.count, np.uint64)
         old = np.empty(seg.count, dtype.uint)
@@ -107,6 +105,14 @@ def prepare_segment(seg: Segment, base: np.ndarray, dtype: DType,
     lanes = np.zeros(4, np.uint64)
     sealed = staged_sums(pos, old, new, seg.start, lanes)
     return PreparedSegment(pos, old, new, lanes[:2], lanes[2:], int(sealed), seg.start, seg.numel)
+
+
+def check_gap_count(seg: Segment, where: str) -> None:
+    """Refuse a count the gap stream cannot hold (every gap takes at least one byte) before
+    anything is allocated for it."""
+    if seg.count > seg.pos_bytes.size:
+        raise FormatError(f"{where}: {seg.count} changes in a {seg.pos_bytes.size}-byte gap "
+                          "stream")
 
 
 def apply_prepared(prep: PreparedSegment, dst: np.ndarray, undo: UndoLog,

@@ -16,7 +16,7 @@ from ..kernel_cache import njit
 from ..tensors import DType
 from .coding import Op, Positions
 from .encode import width_masks
-from .prepared import PreparedSegment, prepare_gap_segment
+from .prepared import PreparedSegment, check_gap_count, prepare_gap_segment
 from .segment import Segment, check_sparse, check_status
 from .small_kernels import words_at
 
@@ -36,9 +36,7 @@ def prepare_gap_segments(segs: list[Segment], bases: list[np.ndarray], dtype: DT
     for i, (seg, base) in enumerate(zip(segs, bases, strict=True)):
         try:
             check_sparse(seg, dtype, base, where)
-            if seg.count > seg.pos_bytes.size:  # every gap takes at least one byte
-                raise FormatError(f"{where}: {seg.count} changes in a {seg.pos_bytes.size}-byte "
-                                  "gap stream")
+            check_gap_count(seg, where)
             if not (base.flags.c_contiguous and seg.pos_bytes.flags.c_contiguous
                     and seg.val_bytes.flags.c_contiguous):
                 raise UsageError(f"{where}: non-contiguous words or streams")
