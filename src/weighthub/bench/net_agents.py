@@ -22,7 +22,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from typing import Any
 
 from ..errors import UsageError
@@ -74,22 +73,28 @@ class PublisherAgent:
 
         state = self._next_state()
         killed: list[str] = []
+        tee = self.pub.tee
         if kill:
-            start = self.pub.tee.pushed
+            start, put = tee.pushed, tee.put
 
-            def watch() -> None:
-                end = time.monotonic() + 60
-                while self.pub.tee.pushed - start < kill_after and time.monotonic() < end:
-                    time.sleep(0.005)
-                roots = self.pub.relay_roots()
-                if roots and roots[0] in kill:
-                    os.kill(kill[roots[0]], signal.SIGKILL)
-                    killed.append(roots[0])
-            watcher = threading.Thread(target=watch, daemon=True)
-            watcher.start()
-        r = self.pub.publish(state)
-        if kill:
-            watcher.join(10)
+            # In the put that completes the `kill_after`-th push, while the relay still runs:
+            # a thread polling the count could wake after a small version's relay ended.
+            def put_then_kill(key: str, data: bytes | memoryview, *,
+                              create_only: bool = False) -> None:
+                put(key, data, create_only=create_only)
+                with kill_lock:
+                    roots = self.pub.relay_roots()
+                    if not killed and tee.pushed - start >= kill_after and roots \
+                            and roots[0] in kill:
+                        os.kill(kill[roots[0]], signal.SIGKILL)
+                        killed.append(roots[0])
+            kill_lock = threading.Lock()
+            tee.put = put_then_kill
+        try:
+            r = self.pub.publish(state)
+        finally:
+            if kill:
+                del tee.put  # the class's put again
         self.state, self.next_version = state, self.next_version + 1
         return {"version": r.version, "seconds": r.seconds, "payload_bytes": r.payload_bytes,
                 "dense_bytes": r.dense_bytes, "chunks": r.chunks, "planned": r.planned,
