@@ -10,6 +10,7 @@ constants (codec/kernels.py).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -60,6 +61,7 @@ def invertible(op: Op, positions: Positions) -> bool:
     return op in _INVERTIBLE_OPS and positions in _INVERTIBLE_POSITIONS
 
 
+@functools.lru_cache(maxsize=256)  # a manifest names one per tensor, from a handful
 def coding_invertible(name: str) -> bool:
     """`invertible` for a coding as manifests name it ("op/positions/values", e.g.
     "xor/gaps/varint"). An unknown or malformed name is not invertible."""

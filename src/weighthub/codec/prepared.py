@@ -20,7 +20,7 @@ word.
 The sums run in their own passes over the contiguous staged arrays, which LLVM vectorizes
 (AVX-512 here): all four digest lanes and the seal ~0.4 ns a word, the seal alone ~0.2. Folded
 inside the gather or the scatter loop, which cannot be vectorized, they cost ~8 ns a word; but a
-segment of under `_SEALED_SCATTER` words is scattered and sealed in one loop, as one kernel call
+segment of under `SEALED_SCATTER` words is scattered and sealed in one loop, as one kernel call
 (each call costs ~1.5 µs: a model of thousands of small tensors paid it twice a tensor).
 Measured on SmolLM2-135M at 2.2% of bf16 words changed (3.5M), side by side: the scatter alone
 ~5 ns a word (memory), with its seal pass the same; the pause of that step with 2 threads
@@ -34,6 +34,7 @@ fused kernel takes 10 in the pause.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -46,6 +47,9 @@ from .ctx import decode_changes
 from .encode import width_masks
 from .kernels import _combine, decode_gap_stream, decode_value_stream
 from .segment import Segment, UndoEntry, UndoLog, bitmap_positions, check_sparse, check_status
+
+if TYPE_CHECKING:
+    from .prepared_many import PreparedGroup
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +64,10 @@ class PreparedSegment:
     seal: int  # `seal_of(pos, new, first)` when staged: what the pause must find it wrote
     first: int  # the canonical index of the range's element 0 (the segment's start)
     numel: int
+    # staged in bulk (`prepared_many`): the chunk's arrays these are row `row` of, which the
+    # pause may scatter together with the chunk's other small segments in one call
+    group: PreparedGroup | None = None
+    row: int = -1
 
 
 def prepare_segment(seg: Segment, base: np.ndarray, dtype: DType,
@@ -130,7 +138,7 @@ def apply_prepared(prep: PreparedSegment, dst: np.ndarray, undo: UndoLog,
     if dst.size != prep.numel or dst.dtype != prep.old.dtype:
         raise UsageError(f"{where}: destination {dst.dtype}[{dst.size}] for a segment prepared "
                          f"as {prep.old.dtype}[{prep.numel}]")
-    if prep.pos.size < _SEALED_SCATTER:  # one kernel call: its dispatch outweighs the words
+    if prep.pos.size < SEALED_SCATTER:  # one kernel call: its dispatch outweighs the words
         done, seal = scatter_sealed(dst, prep.pos, prep.old, prep.new, prep.first)
     else:
         done, seal = scatter_prepared(dst, prep.pos, prep.old, prep.new), None
@@ -152,7 +160,7 @@ def apply_prepared(prep: PreparedSegment, dst: np.ndarray, undo: UndoLog,
 
 _SEAL_K = np.uint64(0x9E3779B97F4A7C15)
 # below this many words a segment is scattered and sealed in one kernel call (`scatter_sealed`)
-_SEALED_SCATTER = 4096
+SEALED_SCATTER = 4096
 
 
 @njit(cache=True, nogil=True, boundscheck=False)

@@ -40,7 +40,7 @@ from ..format import ChunkFrame, ChunkRef, Manifest, decode_chunk
 from ..format.chunk import body_bound, declared_body
 from ..layout import ShardBox, segment_outside
 from ..sources import ChunkId, SourceList
-from ..targets.base import Held, Target
+from ..targets.base import Held, Target, host_words_at
 from ..tensors import DType, TensorSpec, Words, dtype_named
 from .device import DeviceSegment, decode_segment
 from .inputs import Chunk, Step
@@ -135,7 +135,7 @@ def decode_first(frame: ChunkFrame, specs: list[TensorSpec], base_bits: Mapping[
     bits (`regap`), and the digest lanes of the words it replaces for the others (`old_digest`,
     with incremental verification)."""
     decoded = [device_decoded(seg, specs, base_bits, where) for seg in frame.segments]
-    bulk = {} if inverse else prepared_in_bulk(frame.segments, specs, base_bits, where)
+    bulk = {} if inverse else prepared_in_bulk(frame, specs, base_bits, where)
 
     def staged(j: int, seg: Segment) -> tuple[Segment, PreparedSegment | None]:
         if j in bulk:
@@ -242,25 +242,33 @@ def prepare(seg: Segment, specs: list[TensorSpec], base_bits: Mapping[str, Words
     return prepare_segment(seg, base[seg.start: seg.stop], spec.dtype, where)
 
 
-def prepared_in_bulk(segments: tuple[Segment, ...], specs: list[TensorSpec],
-                     base_bits: Mapping[str, Words], where: str
-                     ) -> dict[int, PreparedSegment | FormatError | UsageError]:
-    """`prepare` of every gap-coded segment of a host tensor (by its index in `segments`), in
+def prepared_in_bulk(frame: ChunkFrame, specs: list[TensorSpec], base_bits: Mapping[str, Words],
+                     where: str) -> dict[int, PreparedSegment | FormatError | UsageError]:
+    """`prepare` of every gap-coded segment of a host tensor (by its index in the frame), in
     one kernel call per dtype (codec.prepared_many); each refused one as the error `prepare`
-    raises."""
-    by_dtype: dict[DType, list[tuple[int, Segment, np.ndarray]]] = {}
-    for j, seg in enumerate(segments):
+    raises. A decoded frame's streams and kept views' words are reached by address."""
+    by_dtype: dict[DType, list[tuple[int, Segment, np.ndarray, int]]] = {}
+    decoded = frame.body is not None  # its streams: slices of one contiguous body
+    for j, seg in enumerate(frame.segments):
         if not gap_coded(seg) or seg.tensor >= len(specs):
             continue
         spec = specs[seg.tensor]
-        base = _host_base(base_bits, spec)
-        if base is not None and all(a.flags.c_contiguous  # else prepare copies them
-                                    for a in (base, seg.pos_bytes, seg.val_bytes)):
-            by_dtype.setdefault(spec.dtype, []).append((j, seg, base[seg.start: seg.stop]))
+        words = host_words_at(base_bits, spec.name) if spec.name in base_bits else None
+        if words is None or words[2].type is not spec.dtype.uint or words[3] != spec.numel:
+            continue  # (as _host_base: not this tensor's host words) or not contiguous
+        if decoded or (seg.pos_bytes.flags.c_contiguous and seg.val_bytes.flags.c_contiguous):
+            by_dtype.setdefault(spec.dtype, []).append(  # else prepare copies them
+                (j, seg, words[0][seg.start: seg.stop], words[1] + seg.start * spec.dtype.width))
     out: dict[int, PreparedSegment | FormatError | UsageError] = {}
     for dtype, items in by_dtype.items():
-        done = prepare_gap_segments([s for _, s, _ in items], [b for _, _, b in items], dtype, where)
-        out.update(zip((j for j, _, _ in items), done, strict=True))
+        at = None
+        if frame.body is not None and frame.stream_offsets is not None:
+            at = np.empty((len(items), 3), np.int64)
+            at[:, :2] = frame.stream_offsets[[j for j, _, _, _ in items]] + frame.body.ctypes.data
+            at[:, 2] = [a for _, _, _, a in items]
+        done = prepare_gap_segments([s for _, s, _, _ in items], [b for _, _, b, _ in items],
+                                    dtype, where, addresses=at)
+        out.update(zip((j for j, _, _, _ in items), done, strict=True))
     return out
 
 
