@@ -52,7 +52,7 @@ from .baseline import Baseline, adopt, advanced
 from .group import Failure, Group, SoloGroup, TorchGroup, raise_failures
 from .options import DELTA_SPAN_BYTES, FULL_SPAN_BYTES, PublishOptions, check_committer
 from .result import PublishResult
-from .shards import Shard, resolve
+from .shards import KeptShards, Shard, resolve
 from .stream import Stream, Written, write_chunks
 
 log = logging.getLogger(__name__)
@@ -113,6 +113,7 @@ class ShardedPublisher:
         self._skip_base: Baseline | None = None
         self._adopted = not self._solo  # a group starts afresh; a single process adopts the head
         self._tiled: dict[str, list[ShardBox]] | None = None  # the layout already checked
+        self._kept: KeptShards = {}  # what resolve found last time
         self._lock = threading.Lock()
 
     # the options, read through (`policy` may be swapped between publishes)
@@ -217,7 +218,7 @@ class ShardedPublisher:
         try:  # a local failure is reported in the first collective, so every rank raises
             self._adopt()
             shards, table = resolve(state, shard_map, whole=self._solo,
-                                    backend=self.options.backend)
+                                    backend=self.options.backend, kept=self._kept)
             if self.rank == self.committer:
                 token = uuid.uuid4().hex[:12]
                 if self._baseline is None:  # the first version is numbered after the store's

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import PlacementError, UsageError
 from ..layout import ShardBox
-from ..tensors import TensorSpec, bits, dtype_of, word_view
+from ..tensors import DType, TensorSpec, bits, dtype_of, word_view
 
 Table = list[tuple[str, str, tuple[int, ...]]]  # (name, dtype, global shape), name order
 
@@ -48,14 +48,25 @@ def whole_box(shape: tuple[int, ...]) -> ShardBox:
     return ShardBox(shape, (0,) * len(shape), shape)
 
 
+# What `resolve` found for a contiguous plain host tensor, by name, and the layout it found it
+# for: while a tensor keeps its storage address, dtype, shape, strides and device (and its
+# shard_map box), the next publish skips the checks and takes its spec, box and table entry
+# from here (a model of 8000 tensors: resolve 60-96 → ~40 ms a publish). Not its words: a
+# view would keep a tensor the caller let go (a fresh copy each publish) alive until the next.
+KeptShards = dict[str, tuple[tuple[object, ...], TensorSpec, ShardBox,
+                             tuple[str, str, tuple[int, ...]]]]
+
+
 def resolve(state: Mapping[str, torch.Tensor], shard_map: Mapping[str, ShardBox] | None, *,
-            whole: bool, backend: str = "auto") -> tuple[dict[str, Shard], Table]:
+            whole: bool, backend: str = "auto", kept: KeptShards | None = None
+            ) -> tuple[dict[str, Shard], Table]:
     """This rank's shards of `state` and the tensor table they claim, in name order.
 
     Args:
         whole: a plain tensor without a shard_map entry is the whole tensor (a single process).
         backend: "auto" (scan where each shard lives: CUDA shards on their device), "host"
             (copy device shards to the host) or "torch" (torch views everywhere).
+        kept: the publisher's `KeptShards`, used and updated.
 
     Raises:
         UsageError: shard_map names a tensor not in the state, or a dtype weighthub does not carry.
@@ -73,6 +84,17 @@ def resolve(state: Mapping[str, torch.Tensor], shard_map: Mapping[str, ShardBox]
     table: Table = []
     for name in sorted(state):
         t = state[name]
+        key = None
+        if kept is not None and backend != "torch" and t.is_cpu \
+                and not (dtensor is not None and isinstance(t, dtensor)):
+            key = (t.data_ptr(), t.dtype, t.shape, t.stride(),
+                   shard_map.get(name) if shard_map else None)
+            hit = kept.get(name)
+            if hit is not None and hit[0] == key:
+                _, spec, box, entry = hit
+                table.append(entry)
+                shards[name] = Shard(-1, spec, box, _contiguous_bits(t, spec.dtype))
+                continue
         if dtensor is not None and isinstance(t, dtensor):
             from ..layout.dtensor import dtensor_box
 
@@ -99,4 +121,16 @@ def resolve(state: Mapping[str, torch.Tensor], shard_map: Mapping[str, ShardBox]
         table.append((name, dtype.name, box.global_shape))
         words = word_view(local) if on_device or backend == "torch" else bits(local)
         shards[name] = Shard(-1, spec, box, words)
+        if key is not None and local.is_contiguous():  # a host tensor, not a copy
+            kept[name] = (key, spec, box, table[-1])  # type: ignore[index]
+    for gone in kept.keys() - state.keys() if kept is not None else ():
+        del kept[gone]  # type: ignore[union-attr]
     return shards, table
+
+
+def _contiguous_bits(t: torch.Tensor, dtype: DType) -> np.ndarray:
+    """`bits(t)` of a contiguous host tensor of `dtype` (what `KeptShards` vouches for)."""
+    flat = t.detach() if t.requires_grad else t
+    if flat.dim() != 1:
+        flat = flat.view(-1)
+    return flat.view(dtype.torch_words).numpy().view(dtype.uint)
