@@ -61,6 +61,12 @@ def invertible(op: Op, positions: Positions) -> bool:
     return op in _INVERTIBLE_OPS and positions in _INVERTIBLE_POSITIONS
 
 
+@functools.cache  # a publish names one per segment, from a handful
+def coding_name(op: Op, positions: Positions, values: Values) -> str:
+    """A coding as manifests name it: "op/positions/values", e.g. "xor/gaps/varint"."""
+    return f"{op.name}/{positions.name}/{values.name}".lower()
+
+
 @functools.lru_cache(maxsize=256)  # a manifest names one per tensor, from a handful
 def coding_invertible(name: str) -> bool:
     """`invertible` for a coding as manifests name it ("op/positions/values", e.g.

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..codec import EncodePolicy, Segment, device_encode
+from ..codec.coding import coding_name
 from ..codec.encode import (
     SMALL_RANGE,
     changed_positions,
@@ -154,8 +155,7 @@ def write_chunks(stream: Stream, shards: dict[str, Shard], base: Baseline | None
             for seg in segments:
                 name = by_index[seg.tensor].spec.name
                 out.changed[name] = out.changed.get(name, 0) + seg.count
-                out.ops.setdefault(name, set()).add(
-                    f"{seg.op.name}/{seg.positions.name}/{seg.values.name}".lower())
+                out.ops.setdefault(name, set()).add(coding_name(seg.op, seg.positions, seg.values))
             if stream.track:
                 tracked += [(by_index[ti].spec.name, change) for ti, change in changes]
     out.stream_seconds = time.perf_counter() - t_start
