@@ -65,7 +65,7 @@ def _rows(preps: list[PreparedSegment], dsts: list[np.ndarray]) -> tuple[Prepare
 @pytest.mark.parametrize("dtype", DTYPES, ids=[d.name for d in DTYPES])
 def test_rows_write_what_segment_by_segment_writes_and_undo_restores(dtype: DType) -> None:
     _segs, bases, preps = _staged(dtype, 7 + DTYPES.index(dtype))
-    pick = list(range(0, len(preps), 2)) + [1]  # a subset, not in row order
+    pick = [*range(0, len(preps), 2), 1]  # a subset, not in row order
     bulk = [bases[i].copy() for i in pick]
     one = [bases[i].copy() for i in pick]
     group, rows, dsts = _rows([preps[i] for i in pick], bulk)

@@ -76,7 +76,7 @@ def prepare_gap_segments(segs: list[Segment], bases: list[np.ndarray], dtype: DT
     legal = np.zeros(len(segs), np.bool_)
     for o, v in {(int(o), int(v)) for o, v in zip(op, values, strict=True)}:
         legal[(op == o) & (values == v)] = _legal(o, v, dtype.is_float)
-    fine = laid_out & legal & (size == numel) & (count <= numel) & (count <= plen)
+    fine = laid_out & legal & (size == numel) & (count >= 0) & (count <= numel) & (count <= plen)
     for i in np.flatnonzero(~fine).tolist():
         seg, base = segs[i], bases[i]
         try:

@@ -49,8 +49,8 @@ def whole_box(shape: tuple[int, ...]) -> ShardBox:
 
 
 # What `resolve` found for a contiguous plain host tensor, by name, and the layout it found it
-# for: while a tensor keeps its storage address, dtype, shape, strides and device (and its
-# shard_map box), the next publish skips the checks and takes its spec, box and table entry
+# for: while a tensor keeps its storage address, dtype, shape and strides (and its shard_map
+# box), the next publish skips the checks and takes its spec, box and table entry
 # from here (a model of 8000 tensors: resolve 60-96 → ~40 ms a publish). Not its words: a
 # view would keep a tensor the caller let go (a fresh copy each publish) alive until the next.
 KeptShards = dict[str, tuple[tuple[object, ...], TensorSpec, ShardBox,
@@ -121,10 +121,11 @@ def resolve(state: Mapping[str, torch.Tensor], shard_map: Mapping[str, ShardBox]
         table.append((name, dtype.name, box.global_shape))
         words = word_view(local) if on_device or backend == "torch" else bits(local)
         shards[name] = Shard(-1, spec, box, words)
-        if key is not None and local.is_contiguous():  # a host tensor, not a copy
-            kept[name] = (key, spec, box, table[-1])  # type: ignore[index]
-    for gone in kept.keys() - state.keys() if kept is not None else ():
-        del kept[gone]  # type: ignore[union-attr]
+        if kept is not None and key is not None and local.is_contiguous():  # not a copy
+            kept[name] = (key, spec, box, table[-1])
+    if kept is not None:
+        for gone in kept.keys() - state.keys():
+            del kept[gone]
     return shards, table
 
 
