@@ -64,6 +64,7 @@ def test_tp2_ranks_commit_together_or_not_at_all(tmp_path: Path,
     pub = Publisher(store)
     for state in states:
         pub.publish(state)
+    shm_before = _tp_shared_memory()
     llm = LLM(str(save_checkpoint(states[0], tmp_path / "ckpt-v0")), skip_tokenizer_init=True,
               enforce_eager=True, max_model_len=320, dtype="bfloat16", max_num_seqs=4, seed=0,
               tensor_parallel_size=2, distributed_executor_backend="mp",
@@ -95,3 +96,11 @@ def test_tp2_ranks_commit_together_or_not_at_all(tmp_path: Path,
         _assert_ranks_at(llm, store, 2)
     finally:
         llm.llm_engine.engine_core.shutdown()
+        for leftover in _tp_shared_memory() - shm_before:  # the ranks' shared memory, which
+            leftover.unlink(missing_ok=True)  # vLLM removes only when its workers exit cleanly
+
+
+def _tp_shared_memory() -> set[Path]:
+    """The shared-memory files of vLLM CPU tensor-parallel groups (`vllm_dist_<id>-…-cpushm*`)."""
+    shm = Path("/dev/shm")
+    return set(shm.glob("vllm_dist_*-cpushm*")) if shm.is_dir() else set()
