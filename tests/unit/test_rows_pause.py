@@ -192,3 +192,74 @@ def test_a_failure_after_the_scatter_rolls_the_rows_back(monkeypatch: pytest.Mon
     monkeypatch.setattr(apply_mod, "apply_prepared_rows", real)
     rx.sync(1)
     assert _same(target.state, states[1])
+
+
+def _count_plans(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Count the pause's own row plans and the rows it scatters."""
+    calls = {"plans": 0, "rows": 0}
+    real_plan, real_rows = apply_mod.plan_rows, apply_mod.apply_prepared_rows
+
+    def plan(*a, **k):  # type: ignore[no-untyped-def]
+        calls["plans"] += 1
+        return real_plan(*a, **k)
+
+    def rows(group, at, *a, **k):  # type: ignore[no-untyped-def]
+        calls["rows"] += at.size
+        return real_rows(group, at, *a, **k)
+
+    monkeypatch.setattr(apply_mod, "plan_rows", plan)
+    monkeypatch.setattr(apply_mod, "apply_prepared_rows", rows)
+    return calls
+
+
+def test_the_pause_scatters_the_rows_that_staging_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+    store, states = _many_small()
+    target = StateDictTarget({n: t.clone() for n, t in states[0].items()})
+    rx = Receiver(store, target)
+    rx.sync(0)
+    staged = rx.stage(1)
+    calls = _count_plans(monkeypatch)
+    assert rx.apply(staged).version == 1
+    assert calls == {"plans": 0, "rows": len(states[0])}  # no choosing in the pause
+    assert _same(target.state, states[1])
+
+
+def test_a_pause_into_other_arrays_than_staging_read_chooses_its_rows_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    store, states = _many_small()
+    target = StateDictTarget({n: t.clone() for n, t in states[0].items()})
+    rx = Receiver(store, target)
+    rx.sync(0)
+    staged = rx.stage(1)
+    for n, t in list(target.state.items()):  # the same bits in new storage: staged addresses stale
+        target.state[n] = t.clone()
+    calls = _count_plans(monkeypatch)
+    assert rx.apply(staged).version == 1
+    assert calls["plans"] >= 1 and calls["rows"] == len(states[0])
+    assert _same(target.state, states[1])
+
+
+def test_rows_of_a_tied_tensor_are_applied_once_through_its_first_name(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    store, states = MemoryStore(), []
+    g = torch.Generator().manual_seed(2)
+    s0 = {f"e{i}": torch.randn(700, generator=g).to(torch.bfloat16) for i in range(64)}
+    s0["tied"] = s0["e0"].clone()
+    s1 = {n: t.clone() for n, t in s0.items()}
+    for t in s1.values():
+        t.view(torch.int16)[::29] += 1
+    pub = Publisher(store, policy=FAST)
+    for s in (s0, s1):
+        pub.publish(s)
+        states.append(s)
+    held = {n: t.clone() for n, t in s0.items() if n != "tied"}
+    held["tied"] = held["e0"]  # one tensor under two names: +1 applied twice would show
+    target = StateDictTarget(held)
+    rx = Receiver(store, target)
+    rx.sync(0)
+    staged = rx.stage(1)
+    calls = _count_plans(monkeypatch)
+    assert rx.apply(staged).version == 1
+    assert calls["plans"] >= 1  # the staged plan had "tied" as its own row
+    assert calls["rows"] == len(s0) - 1
+    assert target.state["tied"] is target.state["e0"] and _same(target.state, states[1])

@@ -18,17 +18,16 @@ import numpy as np
 import torch
 
 from ..codec import UndoLog, apply_segment
-from ..codec.prepared import SEALED_SCATTER, PreparedSegment
-from ..codec.prepared_many import PreparedGroup, apply_prepared_rows, row_changes
-from ..codec.segment import Segment
+from ..codec.prepared_many import apply_prepared_rows, row_changes
 from ..digest import digest_sub, lanes_digest
 from ..digest.words import digest_words_affine
 from ..errors import PlacementError
 from ..layout import ShardBox
-from ..targets.base import Views, host_words_at, unique_views
+from ..targets.base import Views, unique_views
 from ..tensors import Words, words_numel
 from . import device
 from .inputs import Chunk, Step
+from .rows import Rows, plan_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +59,8 @@ def apply_step(step: Step, views: Mapping[str, Words], alias: dict[str, str], un
 
     A chunk's small segments that staging prepared in bulk (`codec.prepared_many`) are
     scattered in one call per chunk (`apply_prepared_rows`, its own undo entry), the others one
-    by one (`apply_segment`): 8000 tensors of 4096 words paid ~5 µs of Python a segment.
+    by one (`apply_segment`): 8000 tensors of 4096 words paid ~5 µs of Python a segment. Which
+    are rows was chosen while staging (`receive.rows`), where the views are still the ones read.
 
     A tensor whose view is torch words is applied on its device (`receive.device`): its
     segments were decoded while staging (`Chunk.decoded`), or are decoded here against the
@@ -80,32 +80,21 @@ def apply_step(step: Step, views: Mapping[str, Words], alias: dict[str, str], un
         changes: list[tuple[int, bytes]] = []
         on_device: list[tuple[int, torch.Tensor]] = []
         name = f"{where}/{chunk.ref.key}"
-        # the small segments staged in bulk, by their group: scattered a group at a time
-        rows: dict[int, tuple[PreparedGroup, list[tuple[Segment, PreparedSegment, int]],
-                              list[Words]]] = {}
-        one_by_one = []
-        for seg, seg_old, dseg, prep in zip(chunk.frame.segments, olds, decoded, prepared,
-                                            strict=True):
+        segments = chunk.frame.segments
+        # the small segments staged in bulk: their rows, as staging chose them when these are
+        # still the views it read (else chosen here), scattered a group at a time
+        plan = chunk.rows
+        if plan is None or step.inverse or not plan.holds(views, alias):
+            plan = plan_rows(segments, specs, views, None if step.inverse else chunk.prepared,
+                             alias)
+        for rows in plan.batches:
+            changes += _scatter_rows(rows, undo, name, fold=fold)
+            touched.update(rows.tensors)
+        for i in plan.others:
+            seg, seg_old, dseg, prep = segments[i], olds[i], decoded[i], prepared[i]
             spec = specs[seg.tensor]
             if alias[spec.name] != spec.name:
                 continue  # tied to an earlier name: its bits change through that one
-            at = None if prep is None or prep.group is None or step.inverse \
-                else _row_address(views, spec.name, seg, prep)
-            if at is None:
-                one_by_one.append((seg, seg_old, dseg, prep))
-                continue
-            assert prep is not None and prep.group is not None
-            batch = rows.setdefault(id(prep.group), (prep.group, [], []))
-            batch[1].append((seg, prep, at))
-            batch[2].append(views[spec.name])
-        for group, items, keep in rows.values():
-            if len(items) < _ROWS_AT_ONCE:  # (staged: no held digest, no device decoding)
-                one_by_one += [(seg, None, None, prep) for seg, prep, _ in items]
-            else:
-                changes += _scatter_rows(group, items, keep, undo, name, fold=fold)
-                touched.update(seg.tensor for seg, _, _ in items)
-        for seg, seg_old, dseg, prep in one_by_one:
-            spec = specs[seg.tensor]
             view = views[spec.name]
             if isinstance(view, torch.Tensor):
                 dst_t = view[seg.start: seg.stop]
@@ -161,40 +150,14 @@ def apply_step(step: Step, views: Mapping[str, Words], alias: dict[str, str], un
                    sum(d[2] for d in done))
 
 
-# A chunk's small staged segments are scattered in one call (`apply_prepared_rows`) from this
-# many on; fewer go one by one through `apply_segment`, as larger ones do (their words outweigh
-# the call).
-_ROWS_AT_ONCE = 32
-
-
-def _scatter_rows(group: PreparedGroup, items: list[tuple[Segment, PreparedSegment, int]],
-                  keep: list[Words], undo: UndoLog, where: str, *,
-                  fold: bool) -> list[tuple[int, bytes]]:
-    """Scatter `items` (segment, its staged row, the address of its range's words; the views
-    holding them in `keep`) in one call; their digest changes (the staged lanes) when the
-    caller folds them."""
-    at = np.fromiter((prep.row for _, prep, _ in items), np.int64, len(items))
-    dsts = np.fromiter((dst for _, _, dst in items), np.int64, len(items))
-    apply_prepared_rows(group, at, dsts, keep, undo, where)
+def _scatter_rows(rows: Rows, undo: UndoLog, where: str, *, fold: bool
+                  ) -> list[tuple[int, bytes]]:
+    """Scatter a batch of staged rows in one call; their digest changes (the staged lanes)
+    when the caller folds them."""
+    apply_prepared_rows(rows.group, rows.rows, rows.dsts, rows.keep, undo, where)
     if not fold:
         return []
-    return list(zip([seg.tensor for seg, _, _ in items], row_changes(group, at), strict=True))
-
-
-def _row_address(views: Mapping[str, Words], name: str, seg: Segment,
-                 prep: PreparedSegment) -> int | None:
-    """The address of the words `prep` (staged in bulk) writes, if it can be scattered as a
-    row: a small segment into contiguous host words of its word type that hold its range.
-    None: `apply_segment` takes it (and refuses what does not fit)."""
-    if prep.pos.size >= SEALED_SCATTER:
-        return None
-    words = host_words_at(views, name)
-    if words is None:
-        return None
-    _, address, dtype, size = words
-    if dtype != prep.old.dtype or seg.stop > size or seg.stop - seg.start != prep.numel:
-        return None
-    return address + seg.start * dtype.itemsize
+    return list(zip(rows.tensors, row_changes(rows.group, rows.rows), strict=True))
 
 
 # Below this many changed words per changed tensor on average, one apply thread beats two:

@@ -27,6 +27,7 @@ from ..tensors import TensorSpec
 if TYPE_CHECKING:
     from ..codec.prepared import PreparedSegment
     from .device import DeviceSegment
+    from .rows import RowPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +41,8 @@ class Chunk:
     `prepared`: per segment, its words computed against the held bits of a host tensor
     (`codec.prepared`: the pause only scatters them), done while staging the route's first
     step forwards; None where not.
+    `rows`: which prepared segments the pause scatters as rows, chosen while staging against
+    the views it read (`receive.rows`); None: chosen in the pause.
     """
 
     frame: ChunkFrame
@@ -47,6 +50,7 @@ class Chunk:
     olds: Sequence[bytes | None] | None = None
     decoded: Sequence[DeviceSegment | None] | None = None
     prepared: Sequence[PreparedSegment | None] | None = None
+    rows: RowPlan | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,7 +33,7 @@ from .. import catalog
 from ..codec import Op, Positions, Segment, regap_segment
 from ..codec.coding import CONTEXT_CODINGS
 from ..codec.digest import staged_old_digest
-from ..codec.prepared import PreparedSegment, prepare_segment
+from ..codec.prepared import SEALED_SCATTER, PreparedSegment, prepare_segment
 from ..codec.prepared_many import gap_coded, prepare_gap_segments
 from ..errors import FormatError, ObjectNotFound, UsageError
 from ..format import ChunkFrame, ChunkRef, Manifest, decode_chunk
@@ -44,6 +44,7 @@ from ..targets.base import Held, Target, host_words_at
 from ..tensors import DType, TensorSpec, Words, dtype_named
 from .device import DeviceSegment, decode_segment
 from .inputs import Chunk, Step
+from .rows import RowPlan, Rows, rows_of
 
 
 def stage_route(route: list[catalog.Rep], manifests: list[tuple[Manifest, Manifest]],
@@ -112,10 +113,11 @@ class FirstDecoding:
     olds: list[bytes | None] | None
     decoded: list[DeviceSegment | None] | None
     prepared: list[PreparedSegment | None] | None
+    rows: RowPlan | None
 
     def chunk_parts(self, ref: ChunkRef) -> tuple[Any, ...]:
         """Chunk(*parts): the fields of the staged chunk `ref`."""
-        return self.regapped, ref, self.olds, self.decoded, self.prepared
+        return self.regapped, ref, self.olds, self.decoded, self.prepared, self.rows
 
 
 class EarlyDecodings(Protocol):
@@ -135,7 +137,7 @@ def decode_first(frame: ChunkFrame, specs: list[TensorSpec], base_bits: Mapping[
     bits (`regap`), and the digest lanes of the words it replaces for the others (`old_digest`,
     with incremental verification)."""
     decoded = [device_decoded(seg, specs, base_bits, where) for seg in frame.segments]
-    bulk = {} if inverse else prepared_in_bulk(frame, specs, base_bits, where)
+    bulk, batches = ({}, []) if inverse else prepared_in_bulk(frame, specs, base_bits, where)
 
     def staged(j: int, seg: Segment) -> tuple[Segment, PreparedSegment | None]:
         if j in bulk:
@@ -157,7 +159,8 @@ def decode_first(frame: ChunkFrame, specs: list[TensorSpec], base_bits: Mapping[
              for seg, prep in zip(regapped.segments, prepared, strict=True)]
             if incremental else None)
     return FirstDecoding(frame, regapped, olds, decoded if any(decoded) else None,
-                         prepared if any(p is not None for p in prepared) else None)
+                         prepared if any(p is not None for p in prepared) else None,
+                         RowPlan.of(batches, len(prepared)) if batches else None)
 
 
 def chunk_body_bound(ref: ChunkRef, m: Manifest, width: list[int]) -> int:
@@ -243,11 +246,14 @@ def prepare(seg: Segment, specs: list[TensorSpec], base_bits: Mapping[str, Words
 
 
 def prepared_in_bulk(frame: ChunkFrame, specs: list[TensorSpec], base_bits: Mapping[str, Words],
-                     where: str) -> dict[int, PreparedSegment | FormatError | UsageError]:
+                     where: str) -> tuple[dict[int, PreparedSegment | FormatError | UsageError],
+                                          list[Rows]]:
     """`prepare` of every gap-coded segment of a host tensor (by its index in the frame), in
     one kernel call per dtype (codec.prepared_many); each refused one as the error `prepare`
-    raises. A decoded frame's streams and kept views' words are reached by address."""
-    by_dtype: dict[DType, list[tuple[int, Segment, np.ndarray, int]]] = {}
+    raises. A decoded frame's streams and kept views' words are reached by address. Also the
+    batches of them the pause scatters as rows (`receive.rows`), planned against `base_bits`.
+    """
+    by_dtype: dict[DType, list[tuple[int, Segment, np.ndarray, int, np.ndarray]]] = {}
     decoded = frame.body is not None  # its streams: slices of one contiguous body
     for j, seg in enumerate(frame.segments):
         if not gap_coded(seg) or seg.tensor >= len(specs):
@@ -258,18 +264,30 @@ def prepared_in_bulk(frame: ChunkFrame, specs: list[TensorSpec], base_bits: Mapp
             continue  # (as _host_base: not this tensor's host words) or not contiguous
         if decoded or (seg.pos_bytes.flags.c_contiguous and seg.val_bytes.flags.c_contiguous):
             by_dtype.setdefault(spec.dtype, []).append(  # else prepare copies them
-                (j, seg, words[0][seg.start: seg.stop], words[1] + seg.start * spec.dtype.width))
+                (j, seg, words[0][seg.start: seg.stop], words[1] + seg.start * spec.dtype.width,
+                 words[0]))
     out: dict[int, PreparedSegment | FormatError | UsageError] = {}
+    batches: list[Rows] = []
     for dtype, items in by_dtype.items():
         at = None
         if frame.body is not None and frame.stream_offsets is not None:
             at = np.empty((len(items), 3), np.int64)
-            at[:, :2] = frame.stream_offsets[[j for j, _, _, _ in items]] + frame.body.ctypes.data
-            at[:, 2] = [a for _, _, _, a in items]
-        done = prepare_gap_segments([s for _, s, _, _ in items], [b for _, _, b, _ in items],
+            at[:, :2] = frame.stream_offsets[[j for j, *_ in items]] + frame.body.ctypes.data
+            at[:, 2] = [a for _, _, _, a, _ in items]
+        done = prepare_gap_segments([s for _, s, *_ in items], [b for _, _, b, *_ in items],
                                     dtype, where, addresses=at)
-        out.update(zip((j for j, _, _, _ in items), done, strict=True))
-    return out
+        out.update(zip((j for j, *_ in items), done, strict=True))
+        # rows as `plan_rows` takes them (the held words were checked above, the range by
+        # the prepare): one group a call
+        staged = [(item, prep) for item, prep in zip(items, done, strict=True)
+                  if isinstance(prep, PreparedSegment) and prep.pos.size < SEALED_SCATTER]
+        if staged and staged[0][1].group is not None:
+            batch = rows_of(staged[0][1].group,
+                            [(j, prep.row, a, specs[seg.tensor].name, view, seg.tensor)
+                             for (j, seg, _, a, view), prep in staged])
+            if batch is not None:
+                batches.append(batch)
+    return out, batches
 
 
 def device_decoded(seg: Segment, specs: list[TensorSpec], views: Mapping[str, Words],
