@@ -32,6 +32,20 @@ def test_vectorized_sums_equal_digest_add_one_by_one() -> None:
     assert only["t"] == np.full(2, 4, np.uint64).tobytes()  # each lane wrapped
 
 
+def test_one_change_a_tensor_in_any_order_sums_as_digest_add() -> None:
+    rng = np.random.default_rng(1)
+    names = [f"t{i}" for i in range(40)]
+    held = {n: rng.integers(0, 1 << 64, 2, dtype=np.uint64).tobytes() for n in names}
+    changes = [(names[int(ti)], rng.integers(0, 1 << 64, 2, dtype=np.uint64).tobytes())
+               for ti in rng.permutation(40)[:30]]  # distinct names, shuffled, some untouched
+    expect = dict(held)
+    for n, c in changes:
+        expect[n] = digest_add(expect[n], c)
+    got = dict(held)
+    add_digests(got, changes)
+    assert got == expect
+
+
 def test_no_changes_leave_the_digests_alone() -> None:
     held = {"t0": bytes(16), "t1": bytes(range(16))}
     got = dict(held)

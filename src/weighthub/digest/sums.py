@@ -61,7 +61,6 @@ def add_digests(into: dict[str, bytes], changes: Sequence[tuple[str, bytes]]) ->
     if not changes:
         return
     names = list(dict.fromkeys(n for n, _ in changes))
-    slot = {n: k for k, n in enumerate(names)}
     held = b"".join(into[n] for n in names)
     deltas = b"".join(c for _, c in changes)
     if len(held) != DIGEST_BYTES * len(names) or len(deltas) != DIGEST_BYTES * len(changes):
@@ -69,8 +68,13 @@ def add_digests(into: dict[str, bytes], changes: Sequence[tuple[str, bytes]]) ->
                    if len(d) != DIGEST_BYTES)
         raise UsageError(f"a digest is {DIGEST_BYTES} bytes, got {len(bad)}")
     total = np.frombuffer(held, "<u8").reshape(-1, 2).copy()
-    at = np.fromiter((slot[n] for n, _ in changes), np.int64, len(changes))
-    np.add.at(total, at, np.frombuffer(deltas, "<u8").reshape(-1, 2))  # uint64: wraps
+    lanes = np.frombuffer(deltas, "<u8").reshape(-1, 2)
+    if len(names) == len(changes):  # one change a name, in the names' order (the usual case)
+        total += lanes  # uint64: wraps
+    else:
+        slot = {n: k for k, n in enumerate(names)}
+        np.add.at(total, np.fromiter((slot[n] for n, _ in changes), np.int64, len(changes)),
+                  lanes)
     out = total.tobytes()
-    for k, n in enumerate(names):
-        into[n] = out[DIGEST_BYTES * k: DIGEST_BYTES * (k + 1)]
+    into.update(zip(names, [out[k: k + DIGEST_BYTES] for k in range(0, len(out), DIGEST_BYTES)],
+                    strict=True))
