@@ -12,6 +12,17 @@ from weighthub.digest import add_digests, digest_add
 from weighthub.errors import UsageError
 
 
+def _summed_both_ways(held: dict[str, bytes], changes: list[tuple[str, bytes]]
+                      ) -> tuple[dict[str, bytes], dict[str, bytes]]:
+    """(add_digests of `changes` into a copy of `held`, digest_add of them one by one)."""
+    expect = dict(held)
+    for n, c in changes:
+        expect[n] = digest_add(expect[n], c)
+    got = dict(held)
+    add_digests(got, changes)
+    return got, expect
+
+
 def test_vectorized_sums_equal_digest_add_one_by_one() -> None:
     rng = np.random.default_rng(0)
     names = [f"t{i}" for i in range(50)]
@@ -20,11 +31,7 @@ def test_vectorized_sums_equal_digest_add_one_by_one() -> None:
     changes = [(names[int(ti)], rng.integers(0, 1 << 64, 2, dtype=np.uint64).tobytes())
                for ti in rng.integers(0, 50, 400)]  # several changes per tensor, unordered
     changes.append(("t3", np.full(2, 5, np.uint64).tobytes()))
-    expect = dict(held)
-    for n, c in changes:
-        expect[n] = digest_add(expect[n], c)
-    got = dict(held)
-    add_digests(got, changes)
+    got, expect = _summed_both_ways(held, changes)
     assert got == expect
     assert got != held
     only = {"t": np.full(2, (1 << 64) - 1, np.uint64).tobytes()}
@@ -38,12 +45,8 @@ def test_one_change_a_tensor_in_any_order_sums_as_digest_add() -> None:
     held = {n: rng.integers(0, 1 << 64, 2, dtype=np.uint64).tobytes() for n in names}
     changes = [(names[int(ti)], rng.integers(0, 1 << 64, 2, dtype=np.uint64).tobytes())
                for ti in rng.permutation(40)[:30]]  # distinct names, shuffled, some untouched
-    expect = dict(held)
-    for n, c in changes:
-        expect[n] = digest_add(expect[n], c)
-    got = dict(held)
-    add_digests(got, changes)
-    assert got == expect
+    got, expect = _summed_both_ways(held, changes)
+    assert got == expect and got != held
 
 
 def test_no_changes_leave_the_digests_alone() -> None:
