@@ -62,7 +62,12 @@ class RowPlan:
 
     def holds(self, views: Mapping[str, Words], alias: Mapping[str, str]) -> bool:
         """Do `views` hold the arrays this plan was made against, each under its own name (not
-        tied to an earlier one)? One dict look-up each, against ~1.5 µs to plan again."""
+        tied to an earlier one)? One dict look-up each, against ~1.5 µs to plan again.
+
+        Identity, not equal bits: the staged addresses are valid only in those very arrays, and
+        incremental verification takes the rows' digest changes from the staged lanes without
+        reading memory again, so words written through stale addresses (a tensor given new
+        storage after staging) would pass it while the target kept its old bits."""
         return all(views.get(n) is v and alias.get(n) == n
                    for b in self.batches for n, v in zip(b.names, b.keep, strict=True))
 
