@@ -192,7 +192,9 @@ def cmd_serve_hub(args: argparse.Namespace) -> int:
 
 def cmd_serve_node(args: argparse.Namespace) -> int:
     from .cluster import node_cli
+    from .engines.warm import warm_kernels
 
+    warm_kernels()  # it applies every version: the first one then runs no JIT
     node_cli.run_from_args(args)
     return EXIT_OK
 

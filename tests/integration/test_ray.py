@@ -202,12 +202,18 @@ def test_weights_changed_outside_weighthub_are_flagged(run: dict[str, Any]) -> N
     _on_engine(run, engine, _corrupt_norm)
     audit = ray.get(engine.weighthub_audit.remote())
     assert audit["mismatched"] == ["model.norm.weight"] and audit["version"] == version
-    # a repacked linear layer cannot be read back: the drift check refuses the batch instead
+    # where vLLM packs linear layers (oneDNN, on CPUs that have it) they cannot be read back and
+    # only the drift check sees the change; where it keeps them plain (in place) the audit does too
     _on_engine(run, engine, _corrupt_linear)
+    qkv = {f"model.layers.0.self_attn.{p}_proj.{k}" for p in "qkv" for k in ("weight", "bias")}
+    readable = set(ray.get(engine.weighthub_digests.remote())["engine"])
+    audit = ray.get(engine.weighthub_audit.remote())
+    assert set(audit["mismatched"]) == {"model.norm.weight"} | (qkv & readable)
     with pytest.raises(AttestationError, match="log-probabilities differ"):
         loop.run(1)
     assert _newest(run) == version  # the refused batch published nothing
-    # the committed bits through the loader again (the baseline route) heal it
+    # the committed bits through the loader again (the baseline route) heal it, checked against
+    # the version's digests, not against the engine's own (in place: the corrupted) bits
     ref = ray.get(loop.trainer.state_ref.remote())[0]
     ray.get([e.weighthub_load_state.remote(ref) for e in loop.engines])
     _assert_engines_at(run, version)

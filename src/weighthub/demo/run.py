@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from .. import catalog
+from ..engines.warm import warm_kernels
 from ..errors import UsageError
 from ..publish import Publisher, PublishResult
 from ..store import LocalStore
 from .pool import WorkerFailed, WorkerPool
 from .trainer import MODEL_NAME, MiniLMTrainer
-from .worker import state_root, warm_up
+from .worker import state_root
 
 
 @dataclass(slots=True)
@@ -132,7 +133,7 @@ def _run(cfg: DemoConfig, store_path: Path) -> tuple[list[StepRecord], list[int]
         print(f"  model     {trainer.model_path}\n"
               f"            {params / 1e6:.1f}M parameters, refitted as bf16 "
               f"({params * 2 / 2**20:.1f} MiB dense); loaded in {time.perf_counter() - t0:.1f} s")
-        warm_up()  # the publisher's codec kernels, so step 1's publish time is not JIT time
+        warm_kernels()  # the publisher's codec kernels, so step 1's publish time is not JIT time
         pool.wait_ready()
         print()
         _print_header(cfg.receivers)

@@ -26,37 +26,11 @@ from typing import IO, Any
 import torch
 
 from ..digest import root_digest, tensor_digest
-from ..publish import Publisher
+from ..engines.warm import warm_kernels
 from ..receive import Receiver
-from ..store import LocalStore, MemoryStore
+from ..store import LocalStore
 from ..targets import StateDictTarget
 from ..tensors import specs_of
-
-
-def warm_up() -> None:
-    """Publish and sync a small synthetic model through a memory store (about 1 s).
-
-    The codec's kernels are JIT-compiled (or loaded from numba's cache) on first use, per
-    signature; doing that here keeps it out of the first timed refit.
-    """
-    gen = torch.Generator().manual_seed(0)
-    n = 1 << 20
-    old = {name: (0.05 * torch.randn(n, generator=gen)).to(torch.bfloat16)
-           for name in ("by_exponent", "uniform", "busy", "dense")}
-    old["ids"] = torch.arange(512)
-    new = {k: v.clone() for k, v in old.items()}
-    # ±1 ulp changes as training makes them, at the densities that select each position coding:
-    # far likelier on large weights (exponent groups pay off), uniform (gaps), busy, dense
-    rates = {"by_exponent": torch.where(old["by_exponent"].abs() > 0.05, 0.2, 0.005),
-             "uniform": torch.full((n,), 0.02), "busy": torch.full((n,), 0.15),
-             "dense": torch.full((n,), 0.6)}
-    for name, rate in rates.items():
-        new[name].view(torch.int16)[torch.rand(n, generator=gen) < rate] += 1
-    store = MemoryStore()
-    publisher = Publisher(store, workers=1)
-    receiver = Receiver(store, StateDictTarget({}), workers=1)
-    for state in (old, new):
-        receiver.sync(publisher.publish(state).version)
 
 
 def state_root(state: dict[str, torch.Tensor]) -> str:
@@ -68,7 +42,7 @@ def serve(store_path: str, commands: IO[str], replies: IO[str]) -> int:
     """Answer commands until `quit` or end of input."""
     target = StateDictTarget({})
     receiver = Receiver(LocalStore(store_path, create=False), target)
-    warm_up()
+    warm_kernels()
 
     def reply(obj: dict[str, Any]) -> None:
         replies.write(json.dumps(obj) + "\n")

@@ -62,10 +62,11 @@ from ..store import Store, open_store
 from ..targets.safetensors_file import load_checkpoint
 from ..targets.state_dict import StateDictTarget
 from ..targets.vllm_engine import EnginePlacement, PushReport
-from .vllm_checks import check_same_bits, digests_of, find_version
+from .vllm_checks import check_committed, check_same_bits, digests_of, find_version
 from .vllm_driver import bind, decode_early, refit, stage
 from .vllm_target import EngineTarget
 from .vote import FAILED, Vote
+from .warm import warm_kernels
 
 __all__ = ["EXTENSION", "WeighthubWorker", "bind", "decode_early", "refit", "stage"]
 
@@ -177,9 +178,11 @@ class WeighthubWorker:
     def weighthub_load_state(self, state: dict[str, torch.Tensor]) -> dict[str, Any]:
         """The usual route, as a baseline: every tensor of a full state through vLLM's loader.
 
-        `state` must be the committed version's bits (checked by digest first, untimed), so the
-        engine and its mirror stay one version; tensors cross `collective_rpc` by value, so use
-        it with an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) or pay the pickling."""
+        `state` must be the committed version's bits (checked against its manifest's digests
+        first, untimed), so the engine and its mirror stay one version, and it heals an engine
+        whose weights were changed outside weighthub, in place too. Tensors cross
+        `collective_rpc` by value: use it with an in-process engine
+        (VLLM_ENABLE_V1_MULTIPROCESSING=0) or pay the pickling."""
         return _rpc(lambda: self._wh_load_state(state))
 
     def weighthub_digests(self) -> dict[str, Any]:
@@ -191,6 +194,7 @@ class WeighthubWorker:
     def _wh_bind(self, store_url: str, version: int | None, xor: bool,
                  chunk_sources: tuple[str | None, str | None, tuple[str, ...], bytes]
                  ) -> dict[str, Any]:
+        warm_kernels()  # once per process: the first refit then runs no JIT (engines.warm)
         store = open_store(store_url)
         bound = getattr(self, "_weighthub", None)
         path = self.vllm_config.model_config.model
@@ -347,8 +351,8 @@ class WeighthubWorker:
 
     def _wh_load_state(self, state: dict[str, torch.Tensor]) -> dict[str, Any]:
         _receiver, target = self._wh_bound()
-        check_same_bits(target.mirror.state, state, "the state given",
-                         f"the committed version {target.held()}")
+        check_committed(state, target.mirror.state, target.digests, "the state given",
+                        f"the committed version {target.held()}")
         t0 = time.perf_counter()
         groups = target.overwrite_all(state)
         return {"seconds": time.perf_counter() - t0, "groups": groups,

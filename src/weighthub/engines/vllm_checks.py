@@ -37,3 +37,19 @@ def check_same_bits(have: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
         raise BaseMismatch(f"{what} is not {version}: differs in {differ[:5]}, lacks {missing[:5]}, "
                            f"has extra {extra[:5]}; start the engine from that version's checkpoint "
                            "or bind to the version it was started from")
+
+
+def check_committed(state: dict[str, torch.Tensor], canonical: dict[str, torch.Tensor],
+                    digests: dict[str, str], what: str, version: str) -> None:
+    """`state` must be the committed version: the names, shapes and dtypes of the engine's
+    canonical tensors (`canonical`) and the bits its manifest's `digests` name. Not compared
+    with the engine's own bits: in place those are the engine's memory, which a state loaded to
+    heal weights changed outside weighthub is meant to overwrite."""
+    differ = sorted(n for n in set(canonical) & set(state)
+                    if state[n].shape != canonical[n].shape or state[n].dtype != canonical[n].dtype
+                    or digest_bits(bits(state[n])).hex() != digests.get(n))
+    missing = sorted(set(canonical) - set(state))
+    extra = sorted(set(state) - set(canonical))
+    if differ or missing or extra:
+        raise BaseMismatch(f"{what} is not {version}: differs in {differ[:5]}, lacks {missing[:5]}, "
+                           f"has extra {extra[:5]}; load that version's own state")

@@ -25,6 +25,7 @@ from ...cluster.hubcore import HubConfig
 from ...cluster.node import Node, NodeConfig
 from ...cluster.relayed import all_relayed, manifest_chunks, relayed_chunks, relayed_manifest
 from ...cluster.topology import Labels
+from ...engines.warm import warm_kernels
 from ...errors import PeerTimeout, UsageError
 from ...format import ChunkRef
 from ...store import LocalStore, open_store
@@ -123,6 +124,7 @@ class NodeDaemon:
     def __init__(self, store_url: str, hub: str, secret: bytes, node_id: str, labels: Labels,
                  state_dir: str, host: str, *, timeout: float = 10.0, poll_s: float = 1.0,
                  nice: int = 10, apply_delay_s: float = APPLY_DELAY_S) -> None:
+        warm_kernels()  # it applies every version too: no JIT beside the engines' first refit
         root = Path(state_dir)
         (root / CACHE_SUBDIR).mkdir(parents=True, exist_ok=True)
         port_file = root / "node.port"

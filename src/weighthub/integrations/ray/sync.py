@@ -31,6 +31,7 @@ from typing import Any
 from ...cluster.hubclient import HubClient
 from ...cluster.publisher import NetPublisher
 from ...cluster.topology import Labels
+from ...engines.warm import warm_kernels
 from ...errors import PeerTimeout, UsageError
 from ...publish import ShardedPublisher
 from ...publish.options import PublishOptions
@@ -154,8 +155,10 @@ class WeightSync:
         `host`: where its chunk server listens (nodes fetch the chunks a push missed from it).
         Default: loopback when the group's hub listens on loopback (one machine), else this
         Ray node's IP (or loopback outside Ray). `publisher_options`: as `Publisher` (encode,
-        anchor_every, retain, workers, ...). Close it when done.
+        anchor_every, retain, workers, ...). Close it when done. The first in a process
+        compiles or loads the codec kernels first (~1 s, `engines.warm`), not the first publish.
         """
+        warm_kernels()
         hub = HubClient(self.spec.hub, self.spec.secret, labels=labels)
         return NetPublisher(open_store(self.spec.store_url), self.spec.secret, hub=hub,
                             host=host or self._reachable_host(), **publisher_options).start()
@@ -176,7 +179,9 @@ class WeightSync:
         """This trainer rank's publisher when the policy is sharded over ranks (every rank
         calls `publish` with its shards; see `ShardedPublisher`). `group`: the torch.distributed
         group of the trainer ranks (default: the world) or a `publish.group.Group`; the
-        `committer` rank writes manifests and announces each version to the hub."""
+        `committer` rank writes manifests and announces each version to the hub. Warms the
+        codec kernels as `publisher` does."""
+        warm_kernels()
         store = open_store(self.spec.store_url)
         if group is not None and hasattr(group, "all_gather") and hasattr(group, "world"):
             pub = ShardedPublisher.on_group(store, group, committer=committer,
