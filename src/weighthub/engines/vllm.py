@@ -27,10 +27,8 @@ previous version.
 
 Only small values cross the RPC boundary (a store URL, a version, a dict of results); errors come
 back as {"error": class name, "message": ...} and `bind`/`stage`/`refit` re-raise them as the same
-weighthub error class on the driver.
-
-The ranks of a tensor-parallel engine commit a version together (`refit` runs the commit vote
-of `engines.vote`): all of them, or none.
+weighthub error class on the driver. The ranks of a tensor-parallel engine commit a version
+together (`refit` runs the commit vote of `engines.vote`): all of them, or none.
 
 Limitations: with vLLM's multiprocess engine core `stage` is an RPC that runs on the worker's
 thread, so the engine does not step while it runs: it moves the fetch out of the refit, it does
@@ -178,11 +176,10 @@ class WeighthubWorker:
     def weighthub_load_state(self, state: dict[str, torch.Tensor]) -> dict[str, Any]:
         """The usual route, as a baseline: every tensor of a full state through vLLM's loader.
 
-        `state` must be the committed version's bits (checked against its manifest's digests
-        first, untimed), so the engine and its mirror stay one version, and it heals an engine
-        whose weights were changed outside weighthub, in place too. Tensors cross
-        `collective_rpc` by value: use it with an in-process engine
-        (VLLM_ENABLE_V1_MULTIPROCESSING=0) or pay the pickling."""
+        `state` must be the committed version's bits (checked by its manifest's digests first,
+        untimed): the engine and its mirror stay one version, and an engine changed outside
+        weighthub is healed, in place too. Tensors cross `collective_rpc` by value: use it
+        with an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) or pay the pickling."""
         return _rpc(lambda: self._wh_load_state(state))
 
     def weighthub_digests(self) -> dict[str, Any]:
