@@ -14,6 +14,8 @@ class PublishResult:
         one stored (this rank's chunks, in a group).
     encode_seconds: busy time of change detection, encoding, compression and digest updates,
         summed over the encoder threads.
+    encode_cpu_seconds: the CPU time of that work; well below encode_seconds, the encoders
+        were preempted (other processes on the cores).
     upload_seconds: busy time of the chunk writes to the store, summed over the threads.
     overlap: (encode_seconds + upload_seconds) / stream_seconds: how many stages were busy at
         once on average. 1.0 is a serial pipeline; it approaches `workers` when every thread
@@ -32,6 +34,7 @@ class PublishResult:
     stream_seconds: float = 0.0
     encode_seconds: float = 0.0
     upload_seconds: float = 0.0
+    encode_cpu_seconds: float = 0.0
     root: str = ""  # the committed version's root digest (hex), as its manifest records it
 
     @property

@@ -50,7 +50,13 @@ from . import commit as commits
 from .agree import Plan, Proposal, agree
 from .baseline import Baseline, adopt, advanced
 from .group import Failure, Group, SoloGroup, TorchGroup, raise_failures
-from .options import DELTA_SPAN_BYTES, FULL_SPAN_BYTES, PublishOptions, check_committer
+from .options import (
+    DELTA_SPAN_BYTES,
+    FULL_SPAN_BYTES,
+    PublishOptions,
+    check_committer,
+    delta_span,
+)
 from .result import PublishResult
 from .shards import KeptShards, Shard, resolve
 from .stream import Stream, Written, write_chunks
@@ -68,7 +74,7 @@ class ShardedPublisher:
         group: the torch.distributed process group of the trainer ranks (default: the world).
         committer: the group rank that writes manifests (and applies retention).
         anchor_every, skip_every, retain, policy, workers, delta_span_bytes, full_span_bytes,
-            backend, host_baseline: see `PublishOptions`.
+            backend, host_baseline, delta_chunk_bytes: see `PublishOptions`.
 
     Raises:
         UsageError: torch.distributed is not initialized, a committer outside the group, or an
@@ -80,10 +86,11 @@ class ShardedPublisher:
                  policy: EncodePolicy | None = None, workers: int = 2,
                  delta_span_bytes: int = DELTA_SPAN_BYTES,
                  full_span_bytes: int = FULL_SPAN_BYTES, backend: str = "auto",
-                 host_baseline: bool = False) -> None:
+                 host_baseline: bool = False,
+                 delta_chunk_bytes: int | None = None) -> None:
         options = PublishOptions(anchor_every, skip_every, retain, policy or EncodePolicy(),
                                  workers, delta_span_bytes, full_span_bytes, backend,
-                                 host_baseline)
+                                 host_baseline, delta_chunk_bytes)
         self._setup(store, TorchGroup(group), committer, options)
         self.group = group
 
@@ -114,6 +121,7 @@ class ShardedPublisher:
         self._adopted = not self._solo  # a group starts afresh; a single process adopts the head
         self._tiled: dict[str, list[ShardBox]] | None = None  # the layout already checked
         self._kept: KeptShards = {}  # what resolve found last time
+        self._payload_ratio = 0.0  # payload per dense byte of this rank's last delta (spans)
         self._lock = threading.Lock()
 
     # the options, read through (`policy` may be swapped between publishes)
@@ -177,6 +185,9 @@ class ShardedPublisher:
         plan, shards = self._agree(state, shard_map, asked)
         written, keys = self._stream(plan, shards,
                                      None if plan.base is None else self._baseline)
+        if plan.base is not None:
+            dense = _dense_bytes(shards)
+            self._payload_ratio = sum(r.size for r in written[self.rank].refs) / max(1, dense)
         manifest = commits.assemble(plan, written, plan.base, self._tag(plan))
         self._commit(plan, manifest, keys)
         seconds = time.perf_counter() - t0
@@ -196,7 +207,7 @@ class ShardedPublisher:
                              manifest.payload_bytes, manifest.changed,
                              sum(s.numel for s in plan.specs), seconds, len(manifest.chunks),
                              own.stream_seconds, own.encode_seconds, own.upload_seconds,
-                             manifest.root)
+                             own.encode_cpu_seconds, manifest.root)
 
     def _adopt(self) -> None:
         """A single process adopts the store's latest version as its baseline (once)."""
@@ -246,7 +257,8 @@ class ShardedPublisher:
         stream = Stream(self.store, f"{catalog.version_dir(plan.version)}/{rep}-{plan.token}",
                         "" if self._solo else f"r{self.rank:05d}-", self.options.policy,
                         self.options.workers,
-                        self.options.full_span_bytes if base is None else self.options.delta_span_bytes,
+                        self.options.full_span_bytes if base is None else
+                        delta_span(self.options, _dense_bytes(shards), self._payload_ratio),
                         plan.boxed, track)
         mine = Written(self.rank)
         keys: list[str] = []
@@ -308,3 +320,8 @@ class ShardedPublisher:
             except WeighthubError as exc:  # its chunks go with the version's retention
                 log.warning("version %d: could not write the %s representation: %s",
                             plan.version, what, exc)
+
+
+def _dense_bytes(shards: dict[str, Shard]) -> int:
+    """Bytes of the words this rank publishes."""
+    return sum(s.box.numel * s.spec.dtype.width for s in shards.values() if s.published)

@@ -11,7 +11,11 @@ from __future__ import annotations
 from ..codec import EncodePolicy
 from ..store import Store
 from .group import SoloGroup
-from .options import DELTA_SPAN_BYTES, FULL_SPAN_BYTES, PublishOptions
+from .options import (
+    DELTA_SPAN_BYTES,
+    FULL_SPAN_BYTES,
+    PublishOptions,
+)
 from .sharded import ShardedPublisher
 
 
@@ -26,7 +30,7 @@ class Publisher(ShardedPublisher):
     Args:
         store: where versions go.
         anchor_every, skip_every, retain, policy, workers, delta_span_bytes, full_span_bytes,
-            backend, host_baseline: see `PublishOptions`.
+            backend, host_baseline, delta_chunk_bytes: see `PublishOptions`.
 
     Raises:
         UsageError: an option `PublishOptions` refuses.
@@ -36,8 +40,9 @@ class Publisher(ShardedPublisher):
                  retain: int = 0, policy: EncodePolicy | None = None, workers: int = 2,
                  delta_span_bytes: int = DELTA_SPAN_BYTES,
                  full_span_bytes: int = FULL_SPAN_BYTES, backend: str = "auto",
-                 host_baseline: bool = False) -> None:
+                 host_baseline: bool = False,
+                 delta_chunk_bytes: int | None = None) -> None:
         options = PublishOptions(anchor_every, skip_every, retain, policy or EncodePolicy(),
                                  workers, delta_span_bytes, full_span_bytes, backend,
-                                 host_baseline)
+                                 host_baseline, delta_chunk_bytes)
         self._setup(store, SoloGroup(), 0, options)

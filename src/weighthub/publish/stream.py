@@ -59,6 +59,7 @@ class Written:
     digests: dict[str, bytes] = field(default_factory=dict)  # contributions at the new version
     # this rank's timing (busy seconds summed over threads; the phase's wall time)
     encode_seconds: float = 0.0
+    encode_cpu_seconds: float = 0.0  # the encoders' CPU time: below encode_seconds, preempted
     upload_seconds: float = 0.0
     stream_seconds: float = 0.0
 
@@ -105,7 +106,7 @@ def write_chunks(stream: Stream, shards: dict[str, Shard], base: Baseline | None
 
     def encode(i: int, pieces: list[Piece]
                ) -> tuple[Future[None], ChunkRef, list[Segment], list[tuple[int, bytes]]]:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         segments: list[Segment] = []
         changes: list[tuple[int, bytes]] = []
         covers: list[tuple[int, int, int]] = []
@@ -133,6 +134,7 @@ def write_chunks(stream: Stream, shards: dict[str, Shard], base: Baseline | None
         with lock:
             keys.append(key)
             out.encode_seconds += time.perf_counter() - t0
+            out.encode_cpu_seconds += time.thread_time() - cpu0
         # streamed out while this thread encodes a later chunk
         return uploads.submit(put, key, frame), ref, segments, changes
 

@@ -273,12 +273,14 @@ class GRPOLoop:
                "drift": trained["drift"], "lag": trained["lag"], "attested": attested,
                "version": trained["version"], "changed": trained["changed"],
                "publish_s": trained["publish_s"], "payload_bytes": trained["payload_bytes"],
-               # the publish's chunk phase and its threads' busy time encoding and uploading,
-               # within the Publisher's own time (inner), between the hub calls for the relay
-               # plan and the announcement
+               # the publish's chunk phase and its threads' busy time encoding (and the CPU
+               # time of that: below it, the encoders were preempted) and uploading, within
+               # the Publisher's own time (inner), between the hub calls for the relay plan
+               # and the announcement
                **{k: trained[k] for k in ("publish_stream_s", "publish_encode_s",
-                                          "publish_upload_s", "publish_plan_s",
-                                          "publish_announce_s", "publish_inner_s")},
+                                          "publish_encode_cpu_s", "publish_upload_s",
+                                          "publish_plan_s", "publish_announce_s",
+                                          "publish_inner_s")},
                "dense_bytes": trained["dense_bytes"],
                "gen_tokens": tokens, "gen_s": gen_s}
         if refit_results:  # lag 1: the previous version's refit, overlapped with generation

@@ -103,6 +103,7 @@ class GRPOTrainer:
         return {"version": result.version, "root": root, "publish_s": seconds, "published_at": t0,
                 "publish_stream_s": result.stream_seconds,
                 "publish_encode_s": result.encode_seconds,
+                "publish_encode_cpu_s": result.encode_cpu_seconds,
                 "publish_upload_s": result.upload_seconds,
                 # the publish's hub calls: the relay plan before, the announcement after
                 "publish_plan_s": result.plan_seconds,
