@@ -183,11 +183,11 @@ class ShardedPublisher:
                  donate: bool) -> PublishResult:
         t0 = time.perf_counter()
         plan, shards = self._agree(state, shard_map, asked)
+        dense = 0 if plan.base is None else _dense_bytes(shards)
         written, keys = self._stream(plan, shards,
-                                     None if plan.base is None else self._baseline)
-        if plan.base is not None:
-            dense = _dense_bytes(shards)
-            self._payload_ratio = sum(r.size for r in written[self.rank].refs) / max(1, dense)
+                                     None if plan.base is None else self._baseline, dense=dense)
+        if dense:
+            self._payload_ratio = sum(r.size for r in written[self.rank].refs) / dense
         manifest = commits.assemble(plan, written, plan.base, self._tag(plan))
         self._commit(plan, manifest, keys)
         seconds = time.perf_counter() - t0
@@ -249,16 +249,18 @@ class ShardedPublisher:
 
     # -- 2. stream -----------------------------------------------------------------------------
     def _stream(self, plan: Plan, shards: dict[str, Shard], base: Baseline | None, *,
-                track: bool = True) -> tuple[list[Written], list[str]]:
+                track: bool = True, dense: int = 0) -> tuple[list[Written], list[str]]:
         """Encode and put this rank's chunks of one representation (a delta from `base`, or
         full); gather what every rank wrote. On any failure this rank deletes its own chunks
-        (a dead rank's stay: garbage, never part of a version) and every rank raises."""
+        (a dead rank's stay: garbage, never part of a version) and every rank raises.
+        `dense`: the bytes of this rank's words, where the caller has them (a delta's span)."""
         rep = catalog.rep_name(None if base is None else base.version)
         stream = Stream(self.store, f"{catalog.version_dir(plan.version)}/{rep}-{plan.token}",
                         "" if self._solo else f"r{self.rank:05d}-", self.options.policy,
                         self.options.workers,
                         self.options.full_span_bytes if base is None else
-                        delta_span(self.options, _dense_bytes(shards), self._payload_ratio),
+                        delta_span(self.options, dense or _dense_bytes(shards),
+                                   self._payload_ratio),
                         plan.boxed, track)
         mine = Written(self.rank)
         keys: list[str] = []
@@ -323,5 +325,6 @@ class ShardedPublisher:
 
 
 def _dense_bytes(shards: dict[str, Shard]) -> int:
-    """Bytes of the words this rank publishes."""
-    return sum(s.box.numel * s.spec.dtype.width for s in shards.values() if s.published)
+    """Bytes of the words this rank publishes (~0.06 µs a tensor: `new` holds exactly the
+    box's words, and its byte count is an attribute, not a product of the box's shape)."""
+    return sum(s.new.nbytes for s in shards.values() if s.box.primary)

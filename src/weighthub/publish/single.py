@@ -11,11 +11,7 @@ from __future__ import annotations
 from ..codec import EncodePolicy
 from ..store import Store
 from .group import SoloGroup
-from .options import (
-    DELTA_SPAN_BYTES,
-    FULL_SPAN_BYTES,
-    PublishOptions,
-)
+from .options import DELTA_SPAN_BYTES, FULL_SPAN_BYTES, PublishOptions
 from .sharded import ShardedPublisher
 
 
