@@ -37,7 +37,7 @@ def test_rl_demo_runs_end_to_end(tmp_path: Path) -> None:
     work_dirs = set(Path(tempfile.gettempdir()).glob("weighthub-rl-*"))
     report = tmp_path / "rl.json"
     cmd = [sys.executable, "-m", "weighthub.cli", "demo", "--rl", "--steps", "2", "--prompts", "2",
-           "--samples", "2", "--max-tokens", "6", "--json", str(report)]
+           "--samples", "2", "--max-tokens", "6", "--probe-rounds", "2", "--json", str(report)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1100,
                          env=os.environ | {"RAY_DEDUP_LOGS": "0"})
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-4000:])
@@ -49,7 +49,11 @@ def test_rl_demo_runs_end_to_end(tmp_path: Path) -> None:
         assert len(r["attested"]) == 2 and {v for _, v, _ in r["attested"]} == {r["version"] - 1}
         assert r["refit_s"] > 0 and r["baseline_s"] > 0 and r["drift"] < 0.5
         assert 0 < r["engine_bytes"] < r["baseline_bytes"] == 2 * r["dense_bytes"]
-    assert result["probe"]["tps_staging"] > 0
+    probe = result["probe"]  # two rounds: idle, staging, idle, staging, idle
+    assert probe["rounds"] == 2 and len(probe["tps_idle"]) == 3 and len(probe["tps_staging"]) == 2
+    assert min(probe["tps_idle"] + probe["tps_staging"]) > 0 and len(probe["ratios"]) == 2
+    assert probe["tokens"] == [2 * 2 * 6] * 5  # every completion to its limit, every reading
+    assert "(median of 2 rounds" in out.stdout
     assert _raylets() <= before  # the demo's cluster is gone
     # and its work directory (the checkpoint, the daemons' caches, the store: ~0.7 GB)
     assert set(Path(tempfile.gettempdir()).glob("weighthub-rl-*")) == work_dirs

@@ -25,12 +25,12 @@ def test_the_driver_gets_every_option_of_the_run() -> None:
     args = _demo_args("--steps", "3", "--engines", "3", "--prompts", "6", "--samples", "3",
                       "--max-tokens", "12", "--lr", "3e-06", "--lag", "1", "--encode", "compact",
                       "--seed", "7", "--no-baseline", "--early-decode", "--plain-cpu-weights",
-                      "--link-mbit", "200")
+                      "--probe-rounds", "5", "--link-mbit", "200")
     argv = _driver_argv(args, "10.213.0.1:6379", "s3://policy/rl", "wh0a", Path("/tmp/x.json"))
     assert argv[1:3] == ["-m", "weighthub.cli"]
     inner = build_parser().parse_args(argv[3:])
     for key in ("steps", "engines", "prompts", "samples", "max_tokens", "lr", "lag", "encode",
-                "seed", "no_baseline", "early_decode", "plain_cpu_weights", "rl"):
+                "seed", "no_baseline", "early_decode", "plain_cpu_weights", "probe_rounds", "rl"):
         assert getattr(inner, key) == getattr(args, key), key
     assert (inner.address, inner.store, inner.rollout_nodes, inner.link_dev, inner.json,
             inner.link_mbit, inner.nodes) == ("10.213.0.1:6379", "s3://policy/rl", "others", "wh0a",
@@ -53,6 +53,12 @@ def test_rollout_nodes_must_be_all_or_others() -> None:
     assert RLConfig(rollout_nodes="others").rollout_nodes == "others"
     with pytest.raises(UsageError, match="rollout_nodes must be 'all' or 'others'"):
         RLConfig(rollout_nodes="trainer")
+
+
+def test_probe_rounds_are_counted_not_negative() -> None:
+    assert RLConfig(probe_rounds=0).probe_rounds == 0  # 0: no probe
+    with pytest.raises(UsageError, match="probe rounds ≥ 0"):
+        RLConfig(probe_rounds=-1)
 
 
 def test_link_counter_counts_both_directions_of_a_device() -> None:

@@ -25,6 +25,7 @@ from .cluster import local_cluster
 from .heap import freeze_startup_heap
 from .loop import GRPOLoop, RLConfig
 from .options import ENV
+from .probe import generation_probe
 from .sync import WeightSync
 
 NODES_TIMEOUT_S = 120.0
@@ -107,7 +108,7 @@ def _in_cluster(args: argparse.Namespace, work: Path) -> int:
                       engines=args.engines, prompts=args.prompts, samples=args.samples,
                       max_tokens=args.max_tokens, lr=args.lr, lag=args.lag, encode=args.encode,
                       seed=args.seed, baseline=not args.no_baseline,
-                      early_decode=args.early_decode,
+                      early_decode=args.early_decode, probe_rounds=args.probe_rounds,
                       plain_cpu_weights=args.plain_cpu_weights, rollout_nodes=args.rollout_nodes)
     t0 = time.perf_counter()
     if args.address:
@@ -165,7 +166,8 @@ def _run(config: RLConfig, work: Path, args: argparse.Namespace, t0: float, *,
               flush=True)
         print(header(wire is not None), flush=True)
         steps = loop.run(on_row=lambda row: print(format_row(row, wire is not None), flush=True))
-        probe = loop.probe(config.steps) if config.lag == 0 else None
+        probe = generation_probe(loop, config.steps, config.probe_rounds) \
+            if config.lag == 0 and config.probe_rounds else None
     finally:
         loop.close()
         sync.close()
@@ -185,7 +187,9 @@ def _run(config: RLConfig, work: Path, args: argparse.Namespace, t0: float, *,
         print(f"lag 1: median pause {s['pause_s'] or float('nan'):.3f} s; {overlapped} of "
               f"{len(steps) - 1} refits were staged before their engines' generation ended", flush=True)
     if probe:
-        print(f"generation while staging: {probe['tps_staging']:.0f} tok/s vs idle "
-              f"{probe['tps_idle_before']:.0f}/{probe['tps_idle_after']:.0f} ({probe['ratio']:.0%}); "
-              f"staging took {probe['stage_s']:.2f} s of a {probe['gen_s']:.2f} s generate", flush=True)
+        print(f"generation while staging: {probe['ratio']:.0%} of idle (median of "
+              f"{probe['rounds']} round{'s' * (probe['rounds'] != 1)}: "
+              f"{probe['ratio_min']:.0%}–{probe['ratio_max']:.0%}; idle readings "
+              f"{probe['idle_spread']:.0%} apart); staging took {probe['stage_share']:.0%} of a "
+              f"{statistics.median(probe['gen_s']):.2f} s generate", flush=True)
     return 0

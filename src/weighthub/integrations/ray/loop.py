@@ -56,7 +56,8 @@ class RLConfig:
     # chunks as they are pushed to their node (`Receiver.decode_early`). Off by default: on
     # one shared 2-core host it slowed the publish more than it saved (README, "RL on Ray")
     early_decode: bool = False
-    probe: bool = True  # measure generation throughput with and without a staging in flight
+    # rounds of the generation probe after the steps (lag 0): idle against staging (`probe`)
+    probe_rounds: int = 3
     plain_cpu_weights: bool = False  # vLLM CPU without oneDNN packing: refits apply in place
     # "all": engines spread over every Ray node; "others": only over nodes without the trainer
     # (disaggregated: every refit crosses the network, as on a real cluster)
@@ -65,10 +66,11 @@ class RLConfig:
 
     def __post_init__(self) -> None:
         if self.lag not in (0, 1) or self.steps < 1 or self.engines < 1 \
-                or self.prompts < self.engines or self.samples < 2:
+                or self.prompts < self.engines or self.samples < 2 or self.probe_rounds < 0:
             raise UsageError(f"RLConfig: need lag 0 or 1, steps ≥ 1, engines ≥ 1, prompts ≥ "
-                             f"engines, samples ≥ 2; got {self.lag}, {self.steps}, {self.engines}, "
-                             f"{self.prompts}, {self.samples}")
+                             f"engines, samples ≥ 2, probe rounds ≥ 0; got {self.lag}, "
+                             f"{self.steps}, {self.engines}, {self.prompts}, {self.samples}, "
+                             f"{self.probe_rounds}")
         if self.rollout_nodes not in ("all", "others"):
             raise UsageError(f"RLConfig.rollout_nodes must be 'all' or 'others', got "
                              f"{self.rollout_nodes!r}")
@@ -335,35 +337,6 @@ class GRPOLoop:
 
     def _wire(self) -> int:
         return 0 if self.wire is None else self.wire()
-
-    # -- generation throughput with and without a staging in flight -----------------------------
-    def probe(self, step: int) -> dict[str, Any]:
-        """Tokens/s of one engine generating the same batch back to back: idle, while staging
-        a new version (one more trained step), and idle again after its refit."""
-        import ray
-
-        c = self.config
-        prompts, futures = self.generate(step)
-        version = ray.get(self.trainer.step.remote(prompts, ray.get(futures)))["version"]
-        engine, batch = self.engines[0], [p for p, _ in prompts]
-
-        def tps() -> tuple[float, float]:
-            b = ray.get(engine.generate.remote(batch, samples=c.samples, max_tokens=c.max_tokens,
-                                               seed=c.seed))
-            return float(b["tokens"] / b["seconds"]), float(b["seconds"])
-
-        idle_before, _ = tps()
-        engine.weighthub_stage.remote(version)
-        staging, gen_s = tps()
-        refit = ray.get(engine.weighthub_refit.remote(version))
-        ray.get([e.weighthub_refit.remote(version) for e in self.engines[1:]])
-        idle_after, _ = tps()
-        idle = (idle_before + idle_after) / 2
-        staged = refit["staged"] or {}
-        return {"tps_idle_before": idle_before, "tps_staging": staging, "tps_idle_after": idle_after,
-                "ratio": staging / idle, "gen_s": gen_s,
-                "stage_s": staged.get("stage_s", 0.0) + staged.get("node_wait_s", 0.0),
-                "staging_wait_s": refit["staging_wait_s"], "pause_s": refit["pause_s"]}
 
     def close(self) -> None:
         import ray

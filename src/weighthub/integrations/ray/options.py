@@ -26,6 +26,10 @@ def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
                         "starts it: they decode its chunks as they are pushed to their node, "
                         "during the publish (pays where the trainer has cores of its own; on one "
                         "shared host it slows the publish more than it saves)")
+    p.add_argument("--probe-rounds", type=int, default=3, metavar="N",
+                   help="after the steps (--lag 0), N rounds of one engine generating idle and "
+                        "while it stages a new version, alternated: generation throughput while "
+                        "staging as a share of idle (default 3; 0 skips it)")
     p.add_argument("--plain-cpu-weights", action="store_true",
                    help="vLLM CPU keeps linear weights plain (no oneDNN packing), so refits apply "
                         "in place in the engines' memory instead of reloading through vLLM's "

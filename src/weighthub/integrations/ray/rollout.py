@@ -245,14 +245,16 @@ class VLLMRollout(RolloutEngine):
             self.weighthub_refit(None)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, samples: int, max_tokens: int,
-                 temperature: float = 1.0, seed: int = 0) -> dict[str, Any]:
+                 temperature: float = 1.0, seed: int = 0, ignore_eos: bool = False) -> dict[str, Any]:
         """`samples` completions per token-id prompt, with the sampled tokens' log-probabilities
-        and the attestation of the policy that generated them (the same before and after)."""
+        and the attestation of the policy that generated them (the same before and after).
+        `ignore_eos`: every completion runs to `max_tokens` (a throughput probe: the same work
+        whatever the policy answers)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(n=samples, temperature=temperature, max_tokens=max_tokens,
-                                logprobs=0, seed=seed, detokenize=False)
+                                logprobs=0, seed=seed, detokenize=False, ignore_eos=ignore_eos)
         with self._wh_serving():
             before = self.weighthub_attestation()
             t0 = time.perf_counter()

@@ -110,7 +110,7 @@ def _run_in_lab(args: argparse.Namespace, ray_bin: str, work: Path) -> dict[str,
             before = link.wire_bytes()
             driver = lab.spawn(train, _driver_argv(args, head, s3.url("rl"), link.a_dev,
                                                    json_path), env=env)
-            timeout = RUN_TIMEOUT_BASE_S + RUN_TIMEOUT_PER_STEP_S * args.steps
+            timeout = RUN_TIMEOUT_BASE_S + RUN_TIMEOUT_PER_STEP_S * (args.steps + args.probe_rounds)
             try:
                 rc = driver.wait(timeout=timeout)
             except subprocess.TimeoutExpired as exc:
@@ -157,7 +157,8 @@ def _driver_argv(args: argparse.Namespace, head: str, store: str, dev: str,
             "--json", str(json_path), "--steps", str(args.steps), "--engines", str(args.engines),
             "--prompts", str(args.prompts), "--samples", str(args.samples),
             "--max-tokens", str(args.max_tokens), "--lr", repr(args.lr), "--lag", str(args.lag),
-            "--encode", args.encode, "--seed", str(args.seed)]
+            "--encode", args.encode, "--seed", str(args.seed),
+            "--probe-rounds", str(args.probe_rounds)]
     if args.no_baseline:
         argv.append("--no-baseline")
     if args.early_decode:
