@@ -15,7 +15,7 @@ from weighthub.codec import Op, Positions, Segment, UndoLog, Values, apply_segme
 from weighthub.codec.coding import EncodePolicy
 from weighthub.codec.ctx import MAX_CHANGES_PER_VALUE_BYTE, ctx_streams, decode_ctx
 from weighthub.errors import FormatError
-from weighthub.tensors import DTYPES, DType
+from weighthub.tensors import DTYPE_BY_NAME, DTYPES, DType
 
 FLOATS = [d for d in DTYPES if d.is_float]
 BF16 = next(d for d in DTYPES if d.name == "BF16")
@@ -249,3 +249,33 @@ def test_f64_over_too_many_exponents_is_coded_otherwise_and_refused_as_ctx() -> 
     hostile = _seg(table, code_values([[1]] * 300, 64), 300, 5000)
     with pytest.raises(FormatError, match="context-coded stream"):  # checked as ngroups is read
         decode_ctx(hostile, np.zeros(5000, np.uint64), F64, WHERE)
+
+
+def test_placement_tables_of_either_width_place_alike() -> None:
+    """ctx_place counts in int32 tables below 2^31 elements and int64 ones above: a segment that
+    large cannot be built here, so the int64 pass runs on a small one and must place the same."""
+    from weighthub.codec import ctx_kernels as C
+    from weighthub.codec.kernels import group_ranks
+
+    rng = np.random.default_rng(5)
+    dtype = DTYPE_BY_NAME["BF16"]
+    base = (rng.standard_normal(50_000).astype(np.float32) * 0.02).view(np.uint32) >> 16
+    base = base.astype(np.uint16)
+    pos = np.sort(rng.choice(base.size, 1_500, replace=False)).astype(np.int64)
+    mask = np.uint64(dtype.exponent_mask)
+    keys, ranks = np.empty(pos.size, np.int64), np.empty(pos.size, np.int64)
+    assert group_ranks(base, pos, pos.size, dtype.exponent_shift, mask, keys, ranks) == pos.size
+    order = np.argsort(keys, kind="stable")  # group-major, ranks increasing within a group
+    gkey, counts = np.unique(keys, return_counts=True)
+    gstart = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    zs = np.arange(pos.size, dtype=np.uint64)[order]
+    placed = []
+    for table in (np.int32, np.int64):
+        out_pos, out_z = np.empty(pos.size, np.int64), np.empty(pos.size, np.uint64)
+        t = C._place(base, dtype.exponent_shift, mask, gkey.astype(np.int64), gstart, gkey.size,
+                     ranks[order], zs, out_pos, out_z, np.empty(pos.size, table))
+        assert t == pos.size
+        placed.append((out_pos, out_z))
+    for out_pos, out_z in placed:
+        assert np.array_equal(out_pos, pos)
+        assert np.array_equal(out_z, np.arange(pos.size, dtype=np.uint64))

@@ -17,6 +17,7 @@ from ..kernel_cache import njit
 from .ans import (
     HEAD_BYTES,
     RAW_MAX,
+    WEIGHT,
     code_ops,
     dec_finish,
     dec_init,
@@ -25,6 +26,7 @@ from .ans import (
     model_enter,
     model_rebuild,
     models,
+    next_rebuild,
     observe,
     put_raw,
     symbol_op,
@@ -178,15 +180,17 @@ def ans_encode(keys, ranks, oldv, newv, count, size, xor, mask, sign_shift):
             + 5 * ((gsum[e] >> k) // (Q_ALPHABET - 1) + 1)
         if need > ops.shape[0]:
             ops = np.concatenate((ops, np.empty(need - ops.shape[0], np.uint32)))
+        model_enter(qcum, qcnt, 0, Q_ALPHABET, grp)
+        due = a  # the change whose count rebuilds the table (a count in a local: next_rebuild)
         for t in range(a, b):
             gap = gaps[t]
             q = gap >> k
-            if qcnt[0, Q_ALPHABET + 2] != grp:
-                model_enter(qcum, qcnt, 0, Q_ALPHABET, grp)
             qs = min(q, Q_ALPHABET - 1)
             ops[n] = symbol_op(qcum, 0, qs)
             n += 1
-            if observe(qcnt, 0, Q_ALPHABET, qs):
+            qcnt[0, qs] += WEIGHT
+            if t == due:
+                due = a + next_rebuild(t - a + 1) - 1
                 model_rebuild(qcum, qcnt, 0, Q_ALPHABET)
             if q >= Q_ALPHABET - 1:
                 n = _put_int(ops, n, icum, icnt, SLOT_ESCAPE, q - (Q_ALPHABET - 1))
@@ -210,15 +214,17 @@ def ans_encode(keys, ranks, oldv, newv, count, size, xor, mask, sign_shift):
         a, b = start[e], start[e + 1]
         if a == b:
             continue
+        model_enter(hcum, hcnt, 0, ha, grp)
+        due = a
         for t in range(a, b):
             z = zs[t]
             nb = bit_length_u64(z)
             h = np.int64(z) if nb <= SMALL_BITS else SMALL + nb - SMALL_BITS - 1
-            if hcnt[0, ha + 2] != grp:
-                model_enter(hcum, hcnt, 0, ha, grp)
             ops[n] = symbol_op(hcum, 0, h)
             n += 1
-            if observe(hcnt, 0, ha, h):
+            hcnt[0, h] += WEIGHT
+            if t == due:
+                due = a + next_rebuild(t - a + 1) - 1
                 model_rebuild(hcum, hcnt, 0, ha)
             if nb > SMALL_BITS:
                 t1 = min(nb - 1, CHUNK_BITS)
@@ -294,9 +300,13 @@ def ans_decode_ranks(n, size, vbits, pos_buf, val_buf, count, gkey, gstart, rank
         k = gk[grp]
         r = np.int64(-1)
         model_enter(qcum, qcnt, 0, Q_ALPHABET, grp)  # every group codes at least one change
-        for t in range(gstart[grp], gstart[grp + 1]):
+        first = gstart[grp]
+        due = first  # the change whose count rebuilds the table (a count in a local: next_rebuild)
+        for t in range(first, gstart[grp + 1]):
             q, xa, xb, i = dec_symbol(xa, xb, i, pos_buf, qcum, 0)
-            if observe(qcnt, 0, Q_ALPHABET, q):
+            qcnt[0, q] += WEIGHT
+            if t == due:
+                due = first + next_rebuild(t - first + 1) - 1
                 model_rebuild(qcum, qcnt, 0, Q_ALPHABET)
             if q == Q_ALPHABET - 1:
                 esc, xa, xb, i = _get_int(xa, xb, i, pos_buf, icum, icnt, SLOT_ESCAPE)
@@ -324,9 +334,13 @@ def ans_decode_ranks(n, size, vbits, pos_buf, val_buf, count, gkey, gstart, rank
     ccum, ccnt = models(chunk_contexts(vbits), CHUNK_ALPHABET)
     for grp in range(ngroups):
         model_enter(hcum, hcnt, 0, ha, grp)  # every group codes at least one change
-        for t in range(gstart[grp], gstart[grp + 1]):
+        first = gstart[grp]
+        due = first  # the change whose count rebuilds the table (a count in a local: next_rebuild)
+        for t in range(first, gstart[grp + 1]):
             h, xa, xb, i = dec_symbol(xa, xb, i, val_buf, hcum, 0)
-            if observe(hcnt, 0, ha, h):
+            hcnt[0, h] += WEIGHT
+            if t == due:
+                due = first + next_rebuild(t - first + 1) - 1
                 model_rebuild(hcum, hcnt, 0, ha)
             z = np.uint64(h)
             if h >= SMALL:
