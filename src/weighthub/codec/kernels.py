@@ -20,6 +20,9 @@ consecutive updates of a common key do not serialise on one memory location.
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 from ..digest.mix import K0, K1, fold, fold_weyl
 from ..kernel_cache import njit
@@ -40,8 +43,10 @@ OP_SUB = 16
 
 VAL_RAW, VAL_VARINT, VAL_ZIGZAG = int(Values.RAW), int(Values.VARINT), int(Values.ZIGZAG)
 
-# Words examined per chunk by scan_changes: the chunk's nonzero-word list stays in L1.
-SCAN_CHUNK = 2048
+# Words examined per chunk by scan_changes: the chunk's words and nonzero-word list stay in L1
+# for the second phase (2 x 4 KiB of words; at 2048 words, 2 x 16 KiB, the scan took 1.25-1.4x
+# as long at 1-3% changed, on 135M random bf16 words).
+SCAN_CHUNK = 512
 
 _U1 = np.uint64(1)
 _U7F = np.uint64(0x7F)
@@ -51,6 +56,19 @@ _NEVER = np.int64(1) << np.int64(62)  # a skip count no segment reaches
 
 
 # --- change detection -------------------------------------------------------------------------
+
+
+@intrinsic
+def trailing_zeros(typingctx, x):
+    """The index of the lowest set bit of a uint64 x ≠ 0 (LLVM's cttz: one instruction; 0 gives
+    an undefined result)."""
+    if x != types.uint64:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.cttz(args[0], ir.Constant(ir.IntType(1), 1))
+
+    return types.int64(x), codegen
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -70,11 +88,14 @@ def scan_changes(a64, b64, lanes, lane_bits, base, wbuf, out_pos, out_old, out_n
     Two phases per chunk of SCAN_CHUNK words: a branch-free pass lists the nonzero words (a
     branch per word mispredicts on every change and stalls the memory stream), then each listed
     word writes only its lanes that differ: one add and mask mark them (the top bit of every
-    lane that is nonzero), and a loop takes the marks lowest first. Most listed words hold one
-    changed lane, so that loop's exit is predictable, and a change costs 3 stores where
-    writing every lane branch-free cost 3 per lane. Measured side by side (ABBA, one core,
-    SmolLM2-135M's 270 MB of bf16): the whole scan 0.73-0.81x the time at 2.4% of words
-    changed, 0.72x at 6% and 15%, 1.1x at 30% (far above an RL step's 0.3-3%).
+    lane that is nonzero), and a loop takes the marks lowest first, each lane's index from the
+    count of trailing zeros (comparing the mark with every lane's top bit took 1.16-1.19x the
+    time of the whole scan). Most listed words hold one changed lane, so that loop's exit is
+    predictable, and a change costs 3 stores where writing every lane branch-free cost 3 per
+    lane. Measured side by side (ABBA, one core, SmolLM2-135M's 270 MB of bf16): the whole
+    scan 0.73-0.81x the time at 2.4% of words changed, 0.72x at 6% and 15%, 1.1x at 30% (far
+    above an RL step's 0.3-3%). With the trailing-zero count and 512-word chunks (before: 2048),
+    0.72-0.74x again at 2% and 3% (135M random bf16 words, alternated in two processes).
     """
     nw = a64.shape[0]
     cap = out_pos.shape[0]
@@ -84,6 +105,9 @@ def scan_changes(a64, b64, lanes, lane_bits, base, wbuf, out_pos, out_old, out_n
     for j in range(lanes):
         low_bits |= (lane_mask >> _U1) << np.uint64(j * lane_bits)
         top_bits |= (_U1 << np.uint64(lane_bits - 1)) << np.uint64(j * lane_bits)
+    lane_shift = 0  # lane_bits = 2^lane_shift
+    while (1 << lane_shift) < lane_bits:
+        lane_shift += 1
     k = 0
     w = 0
     while w < nw and k + SCAN_CHUNK * lanes <= cap:  # wbuf holds SCAN_CHUNK
@@ -100,19 +124,19 @@ def scan_changes(a64, b64, lanes, lane_bits, base, wbuf, out_pos, out_old, out_n
             # a lane's top bit marks it when any of its bits differ (no carry crosses lanes)
             marks = (((x & low_bits) + low_bits) | x) & top_bits
             first = base + i * lanes
-            while marks != _ZERO:
-                lowest = marks & (~marks + _U1)
-                j = 0  # the lane whose top bit `lowest` is: how many lane tops lie below it
-                for d in range(1, lanes):
-                    j += lowest > (_U1 << np.uint64(d * lane_bits - 1))
-                sh = np.uint64(j * lane_bits)
+            while True:  # a listed word marks at least one lane
+                j = trailing_zeros(marks) >> lane_shift  # the lowest marked lane
+                sh = np.uint64(j << lane_shift)
                 out_pos[k] = first + j
                 out_old[k] = (a >> sh) & lane_mask
                 out_new[k] = (b >> sh) & lane_mask
                 k += 1
-                marks ^= lowest
+                marks &= marks - _U1
+                if marks == _ZERO:
+                    break
         w = hi
     return k, w
+
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
