@@ -199,6 +199,28 @@ def test_edge_shapes(dtype: DType) -> None:
                           one_old, one_new, dtype)
 
 
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 63, 64, 65, 1000, 4099])
+@pytest.mark.parametrize("density", [0.0, 0.07, 0.5, 1.0])
+def test_bitmap_positions_are_numpys_and_stop_at_capacity(n: int, density: float) -> None:
+    """The bitmap kernel reads 8 bytes at a time and the tail bytes one by one: every set bit,
+    in order, as numpy's unpackbits finds them; more set bits than `out` holds are reported as
+    len(out) + 1 with nothing written past it. The encoder's kernel builds numpy's packbits."""
+    rng = np.random.default_rng(n)
+    bits = rng.random(n) < density
+    bitmap = np.packbits(bits, bitorder="little")
+    want = np.flatnonzero(bits)
+    out = np.full(want.size + 1, -1, np.int64)
+    assert K.bitmap_positions(bitmap, out[: want.size]) == want.size
+    assert np.array_equal(out[: want.size], want) and out[-1] == -1
+    if want.size:
+        short = np.full(want.size, -1, np.int64)
+        assert K.bitmap_positions(bitmap, short[: want.size - 1]) == want.size
+        assert np.array_equal(short[: want.size - 1], want[:-1]) and short[-1] == -1
+    built = np.zeros(bitmap.size, np.uint8)
+    K.positions_bitmap(want, built)  # and back: the encoder's bitmap of the same positions
+    assert np.array_equal(built, bitmap)
+
 def test_distinguishes_signed_zero_and_nan_payloads() -> None:
     """-0.0 vs +0.0 and two NaNs are equal or unordered as floats, but distinct bits must travel."""
     for dtype in FLOATS:

@@ -351,9 +351,8 @@ def _position_candidates(pos: np.ndarray, n: int) -> list[tuple[float, Positions
     gaps = encode_gaps(pos)
     candidates = [(_entropy_bytes(gaps), Positions.GAPS, gaps)]
     if pos.size * 16 > n:
-        bitmask = np.zeros(n, np.bool_)
-        bitmask[pos] = True
-        bitmap = np.packbits(bitmask, bitorder="little")
+        bitmap = np.zeros((n + 7) // 8, np.uint8)
+        K.positions_bitmap(readonly(pos), bitmap)
         candidates.append((_entropy_bytes(bitmap), Positions.BITMAP, bitmap))
     return candidates
 

@@ -138,6 +138,50 @@ def scan_changes(a64, b64, lanes, lane_bits, base, wbuf, out_pos, out_old, out_n
     return k, w
 
 
+@njit(cache=True, nogil=True, boundscheck=False)
+def positions_bitmap(pos, out):
+    """The bitmap of positions `pos` (each < 8 len(out)) into `out` (zeroed): bit i of byte j
+    for element 8j + i. numpy's packbits of a boolean mask wrote and read a byte per element:
+    5.3 ms for a 28M-element tensor at 7% changed, this 1.5."""
+    for t in range(pos.shape[0]):
+        p = pos[t]
+        out[p >> 3] |= np.uint8(1 << (p & 7))
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def bitmap_positions(bitmap, out):
+    """The positions of the set bits of a bitmap (bit i of byte j: element 8j + i), increasing,
+    into `out`. Returns how many there are, or len(out) + 1 as soon as there are more than
+    `out` holds (nothing written past it).
+
+    Eight bytes at a time, each set bit's position from the count of trailing zeros: numpy's
+    unpackbits and flatnonzero wrote and read a byte per element, 77 ms for a 28M-element
+    bitmap with 7% of its bits set, where this takes 4.7 (best of 5, side by side).
+    """
+    cap = out.shape[0]
+    nb = bitmap.shape[0]
+    k = 0
+    for w in range(nb // 8):
+        x = _ZERO  # the 8 bytes as a little-endian word (LLVM makes it one load)
+        for i in range(8):
+            x |= np.uint64(bitmap[8 * w + i]) << np.uint64(8 * i)
+        first = 64 * w
+        while x != _ZERO:
+            if k == cap:
+                return cap + 1
+            out[k] = first + trailing_zeros(x)
+            k += 1
+            x &= x - _U1
+    for b in range(nb // 8 * 8, nb):
+        x = np.uint64(bitmap[b])
+        while x != _ZERO:
+            if k == cap:
+                return cap + 1
+            out[k] = 8 * b + trailing_zeros(x)
+            k += 1
+            x &= x - _U1
+    return k
+
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def scan_tail(a, b, lo, hi, out_pos, out_old, out_new, k):

@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from ..errors import FormatError, UsageError
-from ..tensors import DType
+from ..tensors import DType, readonly
 from . import kernels as K
 from .coding import Op, Positions, Values, check_coding, invertible
 
@@ -133,7 +133,10 @@ def bitmap_positions(seg: Segment, where: str) -> np.ndarray:
         raise FormatError(f"{where}: bitmap of {seg.pos_bytes.size} bytes for {n} elements")
     if n % 8 and int(seg.pos_bytes[-1]) >> (n % 8):
         raise FormatError(f"{where}: bitmap padding bits past element {n} are set")
-    pos = np.flatnonzero(np.unpackbits(seg.pos_bytes, count=n, bitorder="little"))
-    if pos.size != seg.count:
-        raise FormatError(f"{where}: bitmap has {pos.size} positions, header says {seg.count}")
-    return pos.astype(np.int64, copy=False)
+    pos = np.empty(seg.count, np.int64)
+    found = K.bitmap_positions(readonly(seg.pos_bytes), pos)
+    if found != seg.count:
+        if found > seg.count:  # the kernel stopped there: count them all for the message
+            found = int(np.unpackbits(seg.pos_bytes, count=n).sum())
+        raise FormatError(f"{where}: bitmap has {found} positions, header says {seg.count}")
+    return pos
