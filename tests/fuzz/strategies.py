@@ -74,7 +74,8 @@ _CODINGS = [(Op.XOR, Values.VARINT), (Op.XOR, Values.RAW), (Op.ADD, Values.ZIGZA
 @st.composite
 def segment(draw: Any, dtype_index: int) -> Any:
     """A segment a writer could emit against `base_words`, then maybe edited field by field."""
-    from weighthub.codec.encode import _Changes, _encode_groups, _encode_vals, encode_gaps
+    from weighthub.codec.encode import _encode_groups, _encode_vals, encode_gaps
+    from weighthub.codec.scan import Changes
     from weighthub.codec.segment import Segment
 
     dtype = DTYPES[dtype_index]
@@ -117,7 +118,7 @@ def segment(draw: Any, dtype_index: int) -> Any:
             pos_bytes = np.packbits(mask, bitorder="little")
         else:
             pos_bytes = _encode_groups(old, pos, dtype)
-        val_bytes = _encode_vals(_Changes(pos, old[pos], new[pos]), values, dtype)
+        val_bytes = _encode_vals(Changes(pos, old[pos], new[pos]), values, dtype)
     fields = dict(tensor=0, start=start, stop=start + n, op=op, positions=positions,
                   values=values, count=int(pos.size), pos_bytes=pos_bytes, val_bytes=val_bytes)
     for _ in range(draw(st.integers(0, 2))):

@@ -1,7 +1,7 @@
 """codec/device.py against the numba host kernels, bit for bit.
 
 Every device function is compared with integer equality against the kernel it stands in for
-(encode._scan, kernels.group_ranks, kernels.apply_positions / _combine, kernels.restore), on
+(scan.scan_range, kernels.group_ranks, kernels.apply_positions / _combine, kernels.restore), on
 every word width and float bit layout, with slices made small so that every multi-slice path
 runs at test sizes. The CUDA variants run the same comparisons with CUDA tensors.
 """
@@ -25,7 +25,7 @@ from reference_codec import leb128, make_pair
 from weighthub.codec import device as D
 from weighthub.codec import device_words as W
 from weighthub.codec import kernels as K
-from weighthub.codec.encode import _scan
+from weighthub.codec.scan import scan_range as _scan
 from weighthub.errors import UsageError
 from weighthub.tensors import DTYPES, DType, readonly
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from weighthub.codec.encode import _scan, changed_positions
+from weighthub.codec.scan import changed_positions
+from weighthub.codec.scan import scan_range as _scan
 
 
 def _pair(dtype: type, n: int, rate: float, offset: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

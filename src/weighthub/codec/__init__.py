@@ -32,13 +32,14 @@ from .coding import EncodePolicy, Op, Positions, Values, check_coding, coding_in
 
 if TYPE_CHECKING:
     from .apply import apply_segment, regap_segment
-    from .encode import changed_positions, encode_changes, encode_segment, encode_segment_tracked
+    from .encode import encode_changes, encode_segment, encode_segment_tracked
+    from .scan import changed_positions
     from .segment import Segment, UndoEntry, UndoLog
 
 __getattr__ = lazy_exports(globals(), {
     "segment": frozenset({"Segment", "UndoEntry", "UndoLog"}),
-    "encode": frozenset({"changed_positions", "encode_changes", "encode_segment",
-                         "encode_segment_tracked"}),
+    "encode": frozenset({"encode_changes", "encode_segment", "encode_segment_tracked"}),
+    "scan": frozenset({"changed_positions"}),
     "apply": frozenset({"apply_segment", "regap_segment"}),
 })
 

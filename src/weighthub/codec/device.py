@@ -5,7 +5,7 @@ Each function produces exactly what its numba host kernel (codec/kernels.py) pro
 same bits, so a trainer or receiver whose weights live on a GPU can extract or apply a delta
 there and only the compact streams cross to the host:
 
-    scan         ~ encode._scan                changed positions with their old and new words
+    scan         ~ scan.scan_range             changed positions with their old and new words
     group_ranks  ~ kernels.group_ranks         (old exponent, rank within it) per change
     place_ranks  ~ the last pass of ctx_kernels.ctx_place / kernels.decode_group_positions
     combine      ~ kernels._combine            new words from old words and decoded values
@@ -56,7 +56,7 @@ class DeviceChanges:
 
     def to_host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(pos int64, old, new) as numpy arrays, the words in the unsigned numpy type of their
-        width: what `encode._scan` returns in its `_Changes` for the same inputs.
+        width: what `scan.scan_range` returns in its `Changes` for the same inputs.
 
         From CUDA the three copies go through pinned host memory without blocking, with one
         synchronize of the current stream at the end (so they overlap one another).
@@ -91,7 +91,7 @@ def scan(old: torch.Tensor, new: torch.Tensor, limit: int) -> DeviceChanges | No
         limit: the most changes worth returning.
 
     Returns:
-        The changes (as `encode._scan`'s, on the inputs' device), or None if more than `limit`.
+        The changes (as `scan.scan_range`'s, on the inputs' device), or None if more than `limit`.
 
     Raises:
         UsageError: a non-word dtype, mismatched dtypes, shapes or devices, or non-1-D inputs.
@@ -113,7 +113,7 @@ def scan(old: torch.Tensor, new: torch.Tensor, limit: int) -> DeviceChanges | No
             return None
         if idx.shape[0]:
             parts.append((idx + lo, a[idx], b[idx]))
-    if total > limit:  # n == 0 with a negative limit, as _scan
+    if total > limit:  # n == 0 with a negative limit, as scan_range
         return None
     if not parts:
         empty = old[:0].clone()

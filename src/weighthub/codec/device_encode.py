@@ -28,11 +28,11 @@ from .encode import (
     DEFAULT_POLICY,
     RangeChanges,
     RankFn,
-    _Changes,
     _dense_segment,
     _scan_limit,
     encode_range,
 )
+from .scan import Changes
 from .segment import Segment
 
 
@@ -74,7 +74,7 @@ def scan_range(old: torch.Tensor, new: torch.Tensor, dtype: DType, limit: int
     """The RangeChanges of one range scanned on its device (changes None past `limit`)."""
     with _device_passes:
         found = D.scan(old, new, limit)
-        changes = None if found is None else _Changes(*found.to_host())
+        changes = None if found is None else Changes(*found.to_host())
     return RangeChanges(new.shape[0], changes, device_ranks(old, dtype, found),
                         lambda: host_words(new, dtype)), found
 

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..digest import digest_sub
-from ..digest.linear import as_words, digest_affine, digest_change
+from ..digest.linear import digest_affine, digest_change
 from ..errors import UsageError
 from ..tensors import DType, readonly
 from . import kernels as K
 from .coding import CONTEXT_CODERS, CONTEXT_CODINGS, EncodePolicy, Op, Positions, Values
 from .ctx import ctx_streams_ranked, group_ranks
+from .scan import Changes, scan_range
 from .segment import Segment
 
 DEFAULT_POLICY = EncodePolicy()
@@ -29,15 +30,6 @@ _DENSE_RATIO = 0.8
 # Group probe: this many windows of this many elements, on segments at least 4x their total.
 _PROBE_WINDOWS = 8
 _PROBE_WINDOW = 1 << 18
-
-
-@dataclass(frozen=True, slots=True)
-class _Changes:
-    """Changed positions of a range with their old and new words, in increasing position order."""
-
-    pos: np.ndarray  # int64
-    old: np.ndarray  # dtype of the bit arrays
-    new: np.ndarray
 
 
 # Group context of changes: (lo, hi, pos) → (keys uint64, ranks int64) of the changed positions
@@ -62,83 +54,9 @@ class RangeChanges:
     """
 
     numel: int
-    changes: _Changes | None
+    changes: Changes | None
     ranks: RankFn
     dense: Callable[[], np.ndarray]
-
-
-def _scan(old: np.ndarray, new: np.ndarray, limit: int) -> _Changes | None:
-    """Every changed element of two equal-length bit arrays, or None if more than `limit`."""
-    if old.shape != new.shape or old.dtype != new.dtype or old.ndim != 1:
-        raise UsageError(f"changed_positions: {old.dtype}{old.shape} vs {new.dtype}{new.shape}")
-    old, new = readonly(as_words(old)), readonly(as_words(new))  # one type per word width
-    n = old.shape[0]
-    if n <= _ELEMENTWISE_SCAN:  # norms, biases: the set-up of the word-wide scan costs more
-        pos, ov, nv = np.empty(n, np.int64), np.empty(n, old.dtype), np.empty(n, old.dtype)
-        k = K.scan_tail(old, new, 0, n, pos, ov, nv, 0)
-        return None if k > limit else _Changes(pos[:k], ov[:k], nv[:k])
-    width = old.itemsize
-    lanes = 8 // width
-    if (old.ctypes.data - new.ctypes.data) % 8 or old.ctypes.data % width:
-        # no common word alignment (rare: slices of differently placed buffers); a copy of
-        # both is cheaper than an element-wise scan
-        old, new = readonly(old.copy()), readonly(new.copy())
-    head = min(n, (-old.ctypes.data % 8) // width)  # elements before the first word boundary
-    words = (n - head) // lanes
-    stop = head + words * lanes
-    slack = K.SCAN_CHUNK * lanes + lanes
-    cap = n // 32 + slack  # ~3% changed fits without growing
-    pos, ov, nv = np.empty(cap, np.int64), np.empty(cap, old.dtype), np.empty(cap, old.dtype)
-    k = K.scan_tail(old, new, 0, head, pos, ov, nv, 0)
-    a64, b64 = old[head:stop].view(np.uint64), new[head:stop].view(np.uint64)
-    wbuf = np.empty(K.SCAN_CHUNK, np.int64)
-    w = 0
-    while True:
-        # from word w and slot k on: the kernel counts from zero on the slices it gets
-        dk, dw = K.scan_changes(a64[w:], b64[w:], lanes, 8 * width, head + w * lanes, wbuf,
-                                pos[k:], ov[k:], nv[k:])
-        k, w = k + dk, w + dw
-        if k > limit:
-            return None
-        if w == words and pos.size - k >= n - stop:
-            break
-        pos, ov, nv = (_grown(x, k, _scan_room(k, head + w * lanes, n, pos.size, slack))
-                       for x in (pos, ov, nv))
-    k = K.scan_tail(old, new, stop, n, pos, ov, nv, k)
-    if k > limit:
-        return None
-    return _Changes(pos[:k], ov[:k], nv[:k])
-
-
-
-def _scan_room(found: int, scanned: int, n: int, size: int, slack: int) -> int:
-    """Output slots for a scan out of room after `found` changes in its first `scanned` of n
-    elements: the rest at the rate seen so far, a quarter more, and a chunk's slack; at least
-    double (changes bunched at the end cannot make it grow more than logarithmically often).
-    Doubling alone grew a tensor with 6.7% changed twice, and each growth copied and first
-    touched its unwritten part too: 41 ms of a 0.24 s SmolLM2 encode (one thread) at 6.7%
-    changed, where this takes 10 of 0.19 s."""
-    expected = found * (n - scanned) // max(1, scanned)
-    return max(found + expected + expected // 4 + slack, 2 * size + slack)
-
-
-def _grown(x: np.ndarray, used: int, size: int) -> np.ndarray:
-    """A larger array holding x[:used] (the rest left unwritten, so untouched until used)."""
-    out = np.empty(size, x.dtype)
-    out[:used] = x[:used]
-    return out
-
-# Ranges this short are scanned element by element (~1 ns an element, against ~8 µs of set-up
-# for the word-wide scan).
-_ELEMENTWISE_SCAN = 4096
-
-
-def changed_positions(old: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """Sorted int64 positions where two equal-length bit arrays differ."""
-    changes = _scan(old, new, old.shape[0])
-    if changes is None:  # cannot happen: the limit is every element
-        raise UsageError("changed_positions: scan gave up below its own length")
-    return changes.pos
 
 
 def _entropy_bytes(stream: np.ndarray) -> float:
@@ -158,7 +76,7 @@ def _varint_bound(count: int) -> int:
     return count * 10 + 16
 
 
-def _encode_vals(ch: _Changes, codec: Values, dtype: DType) -> np.ndarray:
+def _encode_vals(ch: Changes, codec: Values, dtype: DType) -> np.ndarray:
     if codec == Values.RAW:  # the new words themselves, little-endian
         return np.ascontiguousarray(ch.new, ch.new.dtype.newbyteorder("<")).view(np.uint8)
     mask, sign_shift = width_masks(dtype)
@@ -202,7 +120,7 @@ def _groups_promising(ranks: RankFn, n: int, pos: np.ndarray, dtype: DType) -> b
     return est_groups < est_gaps
 
 
-def _choose_values(ch: _Changes, dtype: DType, policy: EncodePolicy
+def _choose_values(ch: Changes, dtype: DType, policy: EncodePolicy
                    ) -> tuple[float, Op, Values, np.ndarray]:
     """The smallest allowed value coding by order-0 entropy, estimated on a strided sample,
     and its stream."""
@@ -210,7 +128,7 @@ def _choose_values(ch: _Changes, dtype: DType, policy: EncodePolicy
     return est, op, codec, _encode_vals(ch, codec, dtype)
 
 
-def _pick_values(ch: _Changes, dtype: DType, policy: EncodePolicy) -> tuple[float, Op, Values]:
+def _pick_values(ch: Changes, dtype: DType, policy: EncodePolicy) -> tuple[float, Op, Values]:
     """The smallest allowed value coding by order-0 entropy, estimated on a strided sample."""
     count = ch.pos.size
     stride = max(1, count // policy.value_sample) if policy.value_sample > 0 else 1
@@ -239,11 +157,11 @@ def encode_segment(old: np.ndarray | None, new: np.ndarray, dtype: DType, *, ten
     """
     if old is None:
         return _dense_segment(tensor, start, new)
-    return encode_range(_host_range(old, new, dtype, _scan(old, new, _scan_limit(new.size))),
+    return encode_range(_host_range(old, new, dtype, scan_range(old, new, _scan_limit(new.size))),
                         dtype, tensor=tensor, start=start, policy=policy)
 
 
-def _host_range(old: np.ndarray, new: np.ndarray, dtype: DType, ch: _Changes | None
+def _host_range(old: np.ndarray, new: np.ndarray, dtype: DType, ch: Changes | None
                 ) -> RangeChanges:
     return RangeChanges(new.size, ch, host_ranks(old, dtype), lambda: new)
 
@@ -260,7 +178,7 @@ def encode_segment_tracked(old: np.ndarray | None, new: np.ndarray, dtype: DType
     """
     if old is None:
         return _dense_segment(tensor, start, new), digest_affine(new, start, (1,), threads=1)
-    ch = _scan(old, new, _scan_limit(new.size))
+    ch = scan_range(old, new, _scan_limit(new.size))
     if ch is None:
         change = digest_sub(digest_affine(new, start, (1,), threads=1),
                             digest_affine(old, start, (1,), threads=1))
@@ -400,7 +318,7 @@ def encode_changes(pos: np.ndarray, old: np.ndarray, new: np.ndarray, dtype: DTy
         raise UsageError(f"encode_changes: positions outside [0, {n})")
     pos = pos.astype(np.int64, copy=False)
     pos_est, pos_codec, pos_bytes = min(_position_candidates(pos, n), key=lambda c: c[0])
-    val_est, op, val_codec, val_bytes = _choose_values(_Changes(pos, old, new), dtype, policy)
+    val_est, op, val_codec, val_bytes = _choose_values(Changes(pos, old, new), dtype, policy)
     if pos_est + val_est >= dense_numel * dtype.width * (_DENSE_RATIO if dtype.is_float else 1.0):
         return None
     return Segment(tensor, start, stop, op, pos_codec, val_codec, int(pos.size), pos_bytes,

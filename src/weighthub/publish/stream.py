@@ -28,11 +28,11 @@ from ..codec import EncodePolicy, Segment, device_encode
 from ..codec.coding import coding_name
 from ..codec.encode import (
     SMALL_RANGE,
-    changed_positions,
     encode_changes,
     encode_segment,
     encode_segment_tracked,
 )
+from ..codec.scan import changed_positions
 from ..codec.small import SmallRange, bulk_ready, encode_small, order0_small
 from ..digest import ZERO_DIGEST, add_digests, digest_add, digest_affine, digest_change
 from ..errors import UsageError
