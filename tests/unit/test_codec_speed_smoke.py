@@ -24,6 +24,7 @@ from weighthub.codec import (
     encode_segment,
 )
 from weighthub.codec import encode as S
+from weighthub.codec.scan import scan_range
 from weighthub.errors import FormatError
 from weighthub.tensors import DTYPE_BY_NAME, bits
 
@@ -77,7 +78,7 @@ def test_encode_apply_round_trip(policy: EncodePolicy, rate: float) -> None:
 @pytest.mark.parametrize("positions", [Positions.GAPS, Positions.GROUPS, Positions.BITMAP])
 def test_every_position_coding_and_op(op: Op, positions: Positions) -> None:
     old, new = _pair(0.03, seed=2)
-    ch = S._scan(old, new, N)
+    ch = scan_range(old, new, N)
     assert ch is not None
     codec = {Op.ADD: S.Values.ZIGZAG, Op.XOR: S.Values.VARINT, Op.OVERWRITE: S.Values.RAW}[op]
     pos_bytes = {
@@ -116,7 +117,7 @@ def test_group_probe_on_small_windows(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("positions", [Positions.GAPS, Positions.GROUPS])
 def test_corrupt_streams_refused_and_rolled_back(positions: Positions) -> None:
     old, new = _pair(0.02, seed=5)
-    ch = S._scan(old, new, N)
+    ch = scan_range(old, new, N)
     assert ch is not None
     pos_bytes = (S.encode_gaps(ch.pos) if positions == Positions.GAPS
                  else S._encode_groups(old, ch.pos, BF16))
