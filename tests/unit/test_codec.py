@@ -27,6 +27,7 @@ from weighthub.codec import (
     encode_segment,
 )
 from weighthub.codec import kernels as K
+from weighthub.codec.segment import bitmap_positions
 from weighthub.digest import digest_add, digest_affine, digest_sub, lanes_digest
 from weighthub.errors import FormatError
 from weighthub.format import decode_chunk, encode_chunk
@@ -220,6 +221,17 @@ def test_bitmap_positions_are_numpys_and_stop_at_capacity(n: int, density: float
     built = np.zeros(bitmap.size, np.uint8)
     K.positions_bitmap(want, built)  # and back: the encoder's bitmap of the same positions
     assert np.array_equal(built, bitmap)
+
+
+def test_a_bitmap_with_more_set_bits_than_its_count_says_how_many() -> None:
+    """The kernel stops at the declared count; the refusal still names the true number of set
+    bits, counted in the bitmap's own (little) bit order over a length not a multiple of 8."""
+    bits = np.zeros(13, np.bool_)
+    bits[[0, 1, 9, 12]] = True  # element 12 is bit 4 of the last, partial byte
+    seg = Segment(0, 0, 13, Op.XOR, Positions.BITMAP, Values.VARINT, 2,
+                  np.packbits(bits, bitorder="little"), np.ones(2, np.uint8))
+    with pytest.raises(FormatError, match="bitmap has 4 positions, header says 2"):
+        bitmap_positions(seg, "here")
 
 def test_distinguishes_signed_zero_and_nan_payloads() -> None:
     """-0.0 vs +0.0 and two NaNs are equal or unordered as floats, but distinct bits must travel."""

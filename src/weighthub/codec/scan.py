@@ -63,8 +63,8 @@ def scan_range(old: np.ndarray, new: np.ndarray, limit: int) -> Changes | None:
             return None
         if w == words and pos.size - k >= n - stop:
             break
-        pos, ov, nv = (_grown(x, k, _scan_room(k, head + w * lanes, n, pos.size, slack))
-                       for x in (pos, ov, nv))
+        room = _scan_room(k, head + w * lanes, n, pos.size, slack)
+        pos, ov, nv = (_grown(x, k, room) for x in (pos, ov, nv))
     k = K.scan_tail(old, new, stop, n, pos, ov, nv, k)
     if k > limit:
         return None

@@ -137,6 +137,6 @@ def bitmap_positions(seg: Segment, where: str) -> np.ndarray:
     found = K.bitmap_positions(readonly(seg.pos_bytes), pos)
     if found != seg.count:
         if found > seg.count:  # the kernel stopped there: count them all for the message
-            found = int(np.unpackbits(seg.pos_bytes, count=n).sum())
+            found = int(np.unpackbits(seg.pos_bytes, count=n, bitorder="little").sum())
         raise FormatError(f"{where}: bitmap has {found} positions, header says {seg.count}")
     return pos
