@@ -321,7 +321,7 @@ def ans_decode_ranks(n, size, vbits, pos_buf, val_buf, count, gkey, gstart, rank
             r += 1 + (q << k) + np.int64(rem)
             if r >= n:
                 return POSITION_OUT_OF_RANGE
-            ranks[t] = r
+            ranks[np.uint64(t)] = r  # unsigned: see codec.ans (Indices)
     status = dec_finish(xa, xb, i, words)
     if status < 0:
         return status
@@ -370,7 +370,7 @@ def ans_decode_ranks(n, size, vbits, pos_buf, val_buf, count, gkey, gstart, rank
                     z |= (np.uint64(c2) << np.uint64(rest)) | low
             if i > words:
                 return STREAM_OVERRUN
-            zs[t] = z
+            zs[np.uint64(t)] = z
     status = dec_finish(xa, xb, i, words)
     if status < 0:
         return status

@@ -71,6 +71,27 @@ def trailing_zeros(typingctx, x):
     return types.int64(x), codegen
 
 
+@intrinsic
+def prefetch(typingctx, arr, index):
+    """Ask the cache for arr[index] ahead of its use (LLVM's prefetch: a read, kept close). A
+    hint only: it never faults, so an index past the end is harmless and needs no clamp."""
+    if not isinstance(arr, types.Array) or not isinstance(index, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        byte_ptr = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fn = builder.module.declare_intrinsic(
+            "llvm.prefetch", [byte_ptr], ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32]))
+        # (address, 0: read, 3: keep in all levels, 1: data)
+        builder.call(fn, [builder.bitcast(builder.gep(data, [args[1]]), byte_ptr),
+                          ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.none(arr, index), codegen
+
+
 @njit(cache=True, nogil=True, boundscheck=False)
 def scan_changes(a64, b64, lanes, lane_bits, base, wbuf, out_pos, out_old, out_new):
     """Changed elements of two arrays compared 8 bytes at a time.
