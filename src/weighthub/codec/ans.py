@@ -46,9 +46,10 @@ counts, and the decoder took 34 ns a change on a MiniLM step instead of 20 (with
 renormalization of `_renorm`). The kernels carry these helpers compiled in, which is why
 their disk cache is stamped with every kernel source (weighthub.kernel_cache).
 
-Indices the decoder computes (a stream's word offset, a change's slot) are cast to unsigned:
-numba adds a wrap-around fix (a compare and a select) to every signed index LLVM cannot prove
-non-negative; without those fixes the rank decode of a MiniLM step takes 0.92-0.93x the time.
+Indices the kernels compute (a stream's word offset, an op's or a change's slot, a table row)
+are cast to unsigned: numba adds a wrap-around fix (a compare and a select) to every signed
+index LLVM cannot prove non-negative. Without those fixes, on MiniLM steps, the rank decode
+takes 0.92-0.93x the time and the encoder (ans_encode) 0.84-0.91x.
 
 All arithmetic is int64; states are < 2^32.
 """
@@ -200,8 +201,8 @@ def observe(cnt, k, a, s):
 @njit(cache=True, nogil=True, boundscheck=False)
 def symbol_op(cum, k, s):
     """The op of symbol s in context k's table."""
-    start = np.int64(cum[k, s])
-    freq = np.int64(cum[k, s + 1]) - start
+    start = np.int64(cum[np.uint64(k), np.uint64(s)])
+    freq = np.int64(cum[np.uint64(k), np.uint64(s + 1)]) - start
     return np.uint32(start | ((freq - 1) << 16) | ((PROB_BITS - 1) << 28))
 
 
@@ -213,7 +214,7 @@ def put_raw(ops, n, v, nbits):
         take = nbits - (nbits - 1) // RAW_MAX * RAW_MAX  # the top piece: 1..RAW_MAX bits
         nbits -= take
         piece = np.int64((np.uint64(v) >> np.uint64(nbits)) & np.uint64((1 << take) - 1))
-        ops[n] = np.uint32(piece | ((take - 1) << 28))
+        ops[np.uint64(n)] = np.uint32(piece | ((take - 1) << 28))
         n += 1
     return n
 
@@ -226,7 +227,7 @@ def _encode_op(x, op, words, g):
     bits = (op >> 28) + 1
     if x >= ((STATE_LOW >> bits) << 16) * freq:
         g -= 1
-        words[g] = x & _MASK16
+        words[np.uint64(g)] = x & _MASK16
         x >>= 16
     if freq == 1:
         return (x << bits) + start, g
@@ -245,20 +246,20 @@ def code_ops(ops, n, out):
     x1 = np.int64(STATE_LOW)
     j = n - 1
     if j >= 0 and j & 1 == 0:  # an odd count: the last op is state 0's alone
-        x0, g = _encode_op(x0, np.int64(ops[j]), words, g)
+        x0, g = _encode_op(x0, np.int64(ops[np.uint64(j)]), words, g)
         j -= 1
     while j > 0:
-        x1, g = _encode_op(x1, np.int64(ops[j]), words, g)
-        x0, g = _encode_op(x0, np.int64(ops[j - 1]), words, g)
+        x1, g = _encode_op(x1, np.int64(ops[np.uint64(j)]), words, g)
+        x0, g = _encode_op(x0, np.int64(ops[np.uint64(j - 1)]), words, g)
         j -= 2
     for i in range(4):
         out[i] = (x0 >> (8 * i)) & 0xFF
         out[4 + i] = (x1 >> (8 * i)) & 0xFF
     m = HEAD_BYTES
     for j in range(g, n):
-        w = np.int64(words[j])
-        out[m] = w & 0xFF
-        out[m + 1] = w >> 8
+        w = np.int64(words[np.uint64(j)])
+        out[np.uint64(m)] = w & 0xFF
+        out[np.uint64(m + 1)] = w >> 8
         m += 2
     return m
 

@@ -73,7 +73,7 @@ def _put_int(ops, n, icum, icnt, slot, v):
     nb = bit_length_u64(np.uint64(v))
     if icnt[slot, INT_ALPHABET + 2] != 0:
         model_enter(icum, icnt, slot, INT_ALPHABET, 0)
-    ops[n] = symbol_op(icum, slot, nb)
+    ops[np.uint64(n)] = symbol_op(icum, slot, nb)
     n += 1
     if observe(icnt, slot, INT_ALPHABET, nb):
         model_rebuild(icum, icnt, slot, INT_ALPHABET)
@@ -123,8 +123,8 @@ def _group_major(keys, ranks, oldv, newv, count, size, xor, mask, sign_shift):
     zs = np.empty(count, np.uint64)
     for t in range(count):
         e = keys[t]
-        j = fill[e]
-        fill[e] = j + 1
+        j = np.uint64(fill[e])
+        fill[e] = j + _U1
         gaps[j] = ranks[t] - last[e] - 1
         last[e] = ranks[t]
         o = np.uint64(oldv[t])
@@ -158,7 +158,7 @@ def ans_encode(keys, ranks, oldv, newv, count, size, xor, mask, sign_shift):
             continue
         total = 0
         for t in range(a, b):
-            total += gaps[t]
+            total += gaps[np.uint64(t)]
         gsum[e] = total
         gk[e] = rice_parameter(total, b - a)
         n = _put_int(ops, n, icum, icnt, SLOT_KEY, e - prev - 1)
@@ -183,12 +183,12 @@ def ans_encode(keys, ranks, oldv, newv, count, size, xor, mask, sign_shift):
         model_enter(qcum, qcnt, 0, Q_ALPHABET, grp)
         due = a  # the change whose count rebuilds the table (a count in a local: next_rebuild)
         for t in range(a, b):
-            gap = gaps[t]
+            gap = gaps[np.uint64(t)]
             q = gap >> k
             qs = min(q, Q_ALPHABET - 1)
-            ops[n] = symbol_op(qcum, 0, qs)
+            ops[np.uint64(n)] = symbol_op(qcum, 0, qs)
             n += 1
-            qcnt[0, qs] += WEIGHT
+            qcnt[0, np.uint64(qs)] += WEIGHT
             if t == due:
                 due = a + next_rebuild(t - a + 1) - 1
                 model_rebuild(qcum, qcnt, 0, Q_ALPHABET)
@@ -197,7 +197,7 @@ def ans_encode(keys, ranks, oldv, newv, count, size, xor, mask, sign_shift):
             if k > RAW_MAX:
                 n = put_raw(ops, n, gap & low, k)
             else:  # one raw op, none for k = 0 (written anyway, not counted)
-                ops[n] = np.uint32((gap & low) | ((k - 1) << 28))
+                ops[np.uint64(n)] = np.uint32((gap & low) | ((k - 1) << 28))
                 n += k > 0
         grp += 1
     pos_out = np.empty(HEAD_BYTES + 2 * n, np.uint8)
@@ -217,10 +217,10 @@ def ans_encode(keys, ranks, oldv, newv, count, size, xor, mask, sign_shift):
         model_enter(hcum, hcnt, 0, ha, grp)
         due = a
         for t in range(a, b):
-            z = zs[t]
+            z = zs[np.uint64(t)]
             nb = bit_length_u64(z)
             h = np.int64(z) if nb <= SMALL_BITS else SMALL + nb - SMALL_BITS - 1
-            ops[n] = symbol_op(hcum, 0, h)
+            ops[np.uint64(n)] = symbol_op(hcum, 0, h)
             n += 1
             hcnt[0, h] += WEIGHT
             if t == due:
@@ -232,7 +232,7 @@ def ans_encode(keys, ranks, oldv, newv, count, size, xor, mask, sign_shift):
                 c1 = np.int64(z >> np.uint64(rest)) & ((1 << t1) - 1)
                 if ccnt[nb, CHUNK_ALPHABET + 2] != grp:
                     model_enter(ccum, ccnt, nb, CHUNK_ALPHABET, grp)
-                ops[n] = symbol_op(ccum, nb, c1)
+                ops[np.uint64(n)] = symbol_op(ccum, nb, c1)
                 n += 1
                 if observe(ccnt, nb, CHUNK_ALPHABET, c1):
                     model_rebuild(ccum, ccnt, nb, CHUNK_ALPHABET)
@@ -243,7 +243,7 @@ def ans_encode(keys, ranks, oldv, newv, count, size, xor, mask, sign_shift):
                     row = vbits + 1 + nb * CHUNK_ALPHABET + c1
                     if ccnt[row, CHUNK_ALPHABET + 2] != grp:
                         model_enter(ccum, ccnt, row, CHUNK_ALPHABET, grp)
-                    ops[n] = symbol_op(ccum, row, c2)
+                    ops[np.uint64(n)] = symbol_op(ccum, row, c2)
                     n += 1
                     if observe(ccnt, row, CHUNK_ALPHABET, c2):
                         model_rebuild(ccum, ccnt, row, CHUNK_ALPHABET)
