@@ -6,6 +6,7 @@ digest contributions of a tiling must add up to the digest of the whole tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -13,9 +14,10 @@ import numpy as np
 import pytest
 
 from weighthub.codec import EncodePolicy, Segment, encode_segment
+from weighthub.codec.segment import gap_positions
 from weighthub.digest import ZERO_DIGEST, digest_add, digest_affine, digest_bits, digest_change
 from weighthub.errors import PlacementError, UsageError
-from weighthub.layout import Piece, ShardBox, check_tiling, gap_positions, plan_pieces, segment_outside
+from weighthub.layout import Piece, ShardBox, check_tiling, plan_pieces, segment_outside
 from weighthub.tensors import DTYPE_BY_NAME
 
 
@@ -208,11 +210,12 @@ def test_gap_positions_decode_what_the_encoder_wrote() -> None:
     rng = np.random.default_rng(3)
     pos = np.sort(rng.choice(1 << 20, 500, replace=False)).astype(np.int64)
     seg = _sparse_segment(0, 1 << 20, pos, "gaps")
-    assert np.array_equal(gap_positions(seg.pos_bytes, seg.count), pos)
-    assert gap_positions(seg.pos_bytes[:-1], seg.count) is None  # truncated
-    assert gap_positions(seg.pos_bytes, seg.count - 1) is None  # bytes after the last entry
-    assert gap_positions(np.asarray([0x80] * 10 + [1], np.uint8), 1) is None  # 11-byte varint
-    assert gap_positions(np.asarray([5], np.uint8), 0) is None
+    assert np.array_equal(gap_positions(seg.pos_bytes, seg.count, 1 << 20), pos)
+    assert gap_positions(seg.pos_bytes[:-1], seg.count, 1 << 20) is None  # truncated
+    assert gap_positions(seg.pos_bytes, seg.count - 1, 1 << 20) is None  # bytes after the last
+    assert gap_positions(seg.pos_bytes, seg.count, int(pos[-1])) is None  # past the range
+    assert gap_positions(np.asarray([0x80] * 10 + [1], np.uint8), 1, 1 << 20) is None  # 11 bytes
+    assert gap_positions(np.asarray([5], np.uint8), 0, 1 << 20) is None
 
 
 def test_sparse_segments_must_stay_inside_the_box() -> None:
@@ -224,7 +227,13 @@ def test_sparse_segments_must_stay_inside_the_box() -> None:
     assert segment_outside(_sparse_segment(start, stop - start, outside, "gaps"), box) == \
         "positions outside the box"
     dense_ish = box.canonical(np.arange(0, 40, 2))
-    assert segment_outside(_sparse_segment(start, stop - start, dense_ish, "bitmap"), box) is None
+    bitmap = _sparse_segment(start, stop - start, dense_ish, "bitmap")
+    assert segment_outside(bitmap, box) is None
+    # a bitmap that does not match its header is refused as the codec refuses it
+    why = segment_outside(dataclasses.replace(bitmap, count=bitmap.count + 1), box)
+    assert why is not None and why.startswith("a corrupt bitmap") and "header says 21" in why
+    short = dataclasses.replace(bitmap, pos_bytes=bitmap.pos_bytes[:-1])
+    assert "bitmap of" in (segment_outside(short, box) or "")
 
 
 def test_dense_segments_must_lie_in_one_run() -> None:

@@ -29,12 +29,12 @@ from weighthub.codec import (
     encode_segment,
     kernels,
 )
+from weighthub.codec.segment import gap_positions
 from weighthub.digest import digest_add, digest_affine, digest_sub, lanes_digest
 from weighthub.errors import ApplyError, BaseMismatch, ChecksumError, FormatError, IntegrityError
 from weighthub.format import Manifest, TensorEntry, encode_manifest
 from weighthub.publish import Publisher
 from weighthub.receive import Receiver
-from weighthub.receive.undo_plan import gap_positions
 from weighthub.store import LocalStore, MemoryStore, Store
 from weighthub.targets import SafetensorsTarget, StateDictTarget, load_checkpoint
 from weighthub.tensors import DTYPES, DType, bits

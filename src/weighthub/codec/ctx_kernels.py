@@ -387,12 +387,12 @@ def _place(base, shift, gmask, gkey, gstart, ngroups, ranks, zs, out_pos, out_z,
         left[k] = r - 1
         if r != 0:
             continue
-        j = np.uint64(nxt[k])
+        e = np.uint64(nxt[k])  # the change's entry (group-major)
         out_pos[t] = p
-        out_z[t] = zs[j]
+        out_z[t] = zs[e]
         t += _U1
-        nxt[k] = j + _U1
-        left[k] = after[j]
-        prefetch(zs, j + PLACE_AHEAD)
-        prefetch(after, j + PLACE_AHEAD)
+        nxt[k] = e + _U1
+        left[k] = after[e]
+        prefetch(zs, e + PLACE_AHEAD)
+        prefetch(after, e + PLACE_AHEAD)
     return np.int64(t)

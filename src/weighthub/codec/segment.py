@@ -140,3 +140,29 @@ def bitmap_positions(seg: Segment, where: str) -> np.ndarray:
             found = int(np.unpackbits(seg.pos_bytes, count=n, bitorder="little").sum())
         raise FormatError(f"{where}: bitmap has {found} positions, header says {seg.count}")
     return pos
+
+
+def gap_positions(gaps: np.ndarray, count: int, numel: int) -> np.ndarray | None:
+    """The positions of a gap-coded stream (varint gap − 1, the first from −1; spec §2), or
+    None if it does not decode to `count` positions below `numel` (the apply kernels refuse
+    it). Vectorized, O(stream): for checks made before any kernel runs (a shard box, a
+    journal)."""
+    if count == 0:
+        return np.zeros(0, np.int64) if gaps.size == 0 else None
+    ends = np.flatnonzero(gaps < 0x80)
+    if ends.size != count or ends[-1] != gaps.size - 1:
+        return None
+    starts = np.empty(count, np.int64)
+    starts[0] = 0
+    starts[1:] = ends[:-1] + 1
+    if int((ends - starts).max()) >= 9:
+        return None  # a varint over 9 bytes: more than 63 bits, which no position needs
+    if gaps.size == count:  # one byte each: the common case at RL change rates
+        g = gaps.astype(np.int64)
+    else:
+        shift = (np.arange(gaps.size) - np.repeat(starts, ends - starts + 1)) * 7
+        g = np.bitwise_or.reduceat((gaps & 0x7F).astype(np.int64) << shift, starts)
+    pos = np.cumsum(g + 1) - 1
+    if int(pos[-1]) >= numel or int(g.min()) < 0:
+        return None
+    return pos

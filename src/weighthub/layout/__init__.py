@@ -5,9 +5,8 @@ which receivers that only check box coverage do not need.
 """
 
 from .box import ShardBox
-from .membership import gap_positions, segment_outside
+from .membership import segment_outside
 from .pieces import Piece, Run, plan_pieces
 from .tiling import check_tiling
 
-__all__ = ["Piece", "Run", "ShardBox", "check_tiling", "gap_positions", "plan_pieces",
-           "segment_outside"]
+__all__ = ["Piece", "Run", "ShardBox", "check_tiling", "plan_pieces", "segment_outside"]

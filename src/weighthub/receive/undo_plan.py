@@ -3,8 +3,8 @@
 A file target updated in place must have the old words of a step on disk (fsynced) before the
 step writes the first of them, so that a process killed mid-apply can be rolled back without
 the network. The chunks of a staged step are decoded already; their position streams say where
-each segment writes: gap-coded positions are decoded here (vectorized, O(changed)), bitmaps by
-the codec, and a dense, exponent-grouped or undecodable segment counts as its whole range (a
+each segment writes: gap-coded positions and bitmaps are decoded by the codec (vectorized,
+O(changed) and O(bitmap)), and a dense, exponent-grouped or undecodable segment counts as its whole range (a
 superset is safe: words it does not change are journaled at the value they keep).
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from ..codec import Positions
-from ..codec.segment import Segment, bitmap_positions
+from ..codec.segment import Segment, bitmap_positions, gap_positions
 from ..errors import FormatError
 from ..targets.base import host_views
 from ..tensors import Words
@@ -23,30 +23,6 @@ from .inputs import Step
 
 # (words of one range of a view, positions in it or None for all of them)
 Planned = list[tuple[np.ndarray, np.ndarray | None]]
-
-
-def gap_positions(gaps: np.ndarray, count: int, numel: int) -> np.ndarray | None:
-    """The positions of a gap-coded stream (varint gap − 1, the first from −1; spec §2), or
-    None if it does not decode to `count` in-range positions (the apply kernel refuses it)."""
-    if count == 0:
-        return np.zeros(0, np.int64) if gaps.size == 0 else None
-    ends = np.flatnonzero(gaps < 0x80)
-    if ends.size != count or ends[-1] != gaps.size - 1:
-        return None
-    starts = np.empty(count, np.int64)
-    starts[0] = 0
-    starts[1:] = ends[:-1] + 1
-    if int((ends - starts).max()) >= 9:
-        return None  # a varint over 9 bytes (63 bits): the whole range, the kernel judges it
-    if gaps.size == count:  # one byte each: the common case at RL change rates
-        g = gaps.astype(np.int64)
-    else:
-        shift = (np.arange(gaps.size) - np.repeat(starts, ends - starts + 1)) * 7
-        g = np.bitwise_or.reduceat((gaps & 0x7F).astype(np.int64) << shift, starts)
-    pos = np.cumsum(g + 1) - 1
-    if int(pos[-1]) >= numel or int(g.min()) < 0:
-        return None
-    return pos
 
 
 def _positions(seg: Segment) -> np.ndarray | None:
@@ -87,4 +63,4 @@ def plan_step(step: Step, all_views: Mapping[str, Words], alias: dict[str, str])
     return out
 
 
-__all__ = ["Planned", "gap_positions", "plan_step"]
+__all__ = ["Planned", "plan_step"]
