@@ -25,9 +25,9 @@ from numba.core import caching
 PACKAGE = Path(__file__).resolve().parent
 # every module that defines kernels (tests/unit/test_kernel_cache.py checks the list is whole)
 KERNEL_MODULES = ("codec/ans.py", "codec/ans_kernels.py", "codec/ctx_kernels.py",
-                  "codec/kernels.py", "codec/prepared.py", "codec/prepared_many.py",
-                  "codec/rangecoder.py", "codec/small_kernels.py", "digest/kernels.py",
-                  "digest/mix.py", "format/table_kernel.py")
+                  "codec/kernels.py", "codec/place.py", "codec/prepared.py",
+                  "codec/prepared_many.py", "codec/rangecoder.py", "codec/small_kernels.py",
+                  "digest/kernels.py", "digest/mix.py", "format/table_kernel.py")
 
 
 def sources_stamp(root: Path = PACKAGE, modules: tuple[str, ...] = KERNEL_MODULES) -> str:

@@ -253,9 +253,10 @@ def test_f64_over_too_many_exponents_is_coded_otherwise_and_refused_as_ctx() -> 
 
 def test_placement_tables_of_either_width_place_alike() -> None:
     """ctx_place counts in int32 tables below 2^31 elements and int64 ones above: a segment that
-    large cannot be built here, so the int64 pass runs on a small one and must place the same."""
-    from weighthub.codec import ctx_kernels as C
+    large cannot be built here, so the int64 pass runs on a small one and must place the same,
+    word by word and in blocks."""
     from weighthub.codec.kernels import group_ranks
+    from weighthub.codec.place import _place, _place_blocks
 
     rng = np.random.default_rng(5)
     dtype = DTYPE_BY_NAME["BF16"]
@@ -271,11 +272,12 @@ def test_placement_tables_of_either_width_place_alike() -> None:
     zs = np.arange(pos.size, dtype=np.uint64)[order]
     placed = []
     for table in (np.int32, np.int64):
-        out_pos, out_z = np.empty(pos.size, np.int64), np.empty(pos.size, np.uint64)
-        t = C._place(base, dtype.exponent_shift, mask, gkey.astype(np.int64), gstart, gkey.size,
-                     ranks[order], zs, out_pos, out_z, np.empty(pos.size, table))
-        assert t == pos.size
-        placed.append((out_pos, out_z))
+        for place in (_place, _place_blocks):
+            out_pos, out_z = np.empty(pos.size, np.int64), np.empty(pos.size, np.uint64)
+            t = place(base, dtype.exponent_shift, mask, gkey.astype(np.int64), gstart,
+                      gkey.size, ranks[order], zs, out_pos, out_z, np.empty(pos.size, table))
+            assert t == pos.size
+            placed.append((out_pos, out_z))
     for out_pos, out_z in placed:
         assert np.array_equal(out_pos, pos)
         assert np.array_equal(out_z, np.arange(pos.size, dtype=np.uint64))

@@ -258,8 +258,8 @@ def ans_encode(keys, ranks, oldv, newv, count, size, xor, mask, sign_shift):
 def ans_decode_ranks(n, size, vbits, pos_buf, val_buf, count, gkey, gstart, ranks, zs):
     """Decode both ans streams of a segment over n elements, without the base words: the group
     table and, group-major, each change's rank within its group and its value (the contract of
-    ctx_kernels.ctx_decode_ranks, so `ctx_place` places either). Returns the number of groups or
-    a negative status. Every loop is bounded by count, n or the stream's length.
+    ctx_kernels.ctx_decode_ranks, so `place.ctx_place` places either). Returns the number of
+    groups or a negative status. Every loop is bounded by count, n or the stream's length.
     """
     xa, xb, i, words, status = dec_init(pos_buf)
     if status < 0:

@@ -25,6 +25,7 @@ from . import ctx_kernels as C
 from . import kernels as K
 from .ans import min_symbol_bits
 from .coding import CONTEXT_CODINGS, Op, Positions, Values
+from .place import ctx_place
 from .segment import Segment, check_status
 
 # A stream of L bytes cannot hold more changes than this many per byte; a reader refuses a larger
@@ -120,7 +121,7 @@ def decode_ranks(seg: Segment, dtype: DType, where: str
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Decode a context-coded segment without its base words: (group keys, group starts, ranks,
     value entries), the ranks and entries group-major (group g's are [starts[g], starts[g+1])).
-    What is left is the placement against the base (`ctx_kernels.ctx_place`, or on a device).
+    What is left is the placement against the base (`place.ctx_place`, or on a device).
 
     Raises:
         FormatError: a count its streams cannot hold (refused before allocating for it), or
@@ -151,8 +152,8 @@ def decode_changes(seg: Segment, base: np.ndarray, dtype: DType,
     count = seg.count
     pos = np.empty(count, np.int64)
     z = np.empty(count, np.uint64)
-    status = C.ctx_place(readonly(base), dtype.exponent_shift, np.uint64(dtype.exponent_mask),
-                         gkey, gstart, gkey.size, ranks, zs, pos, z)
+    status = ctx_place(readonly(base), dtype.exponent_shift, np.uint64(dtype.exponent_mask),
+                       gkey, gstart, gkey.size, ranks, zs, pos, z)
     check_status(int(status), where)
     return pos, z
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernel_cache import njit
-from .kernels import BAD_CODE, POSITION_OUT_OF_RANGE, STREAM_OVERRUN, group_order, prefetch
+from .kernels import BAD_CODE, POSITION_OUT_OF_RANGE, STREAM_OVERRUN, group_order
 from .rangecoder import (
     INT_TREE,
     P_TOTAL,
@@ -46,7 +46,6 @@ UNARY_CONTEXTS = 8  # Golomb quotient bits 0..6 get their own model, the rest sh
 SLOT_NGROUPS, SLOT_KEY, SLOT_COUNT, SLOT_M = 0, 1, 2, 3
 INT_SLOTS = 4
 CARRY_COUNT = 4  # see _carry
-PLACE_AHEAD = np.uint64(16)  # changes of a key ahead that ctx_place prefetches (see there)
 
 _U1 = np.uint64(1)
 _ZERO = np.uint64(0)
@@ -234,7 +233,7 @@ def ctx_decode_ranks(n, size, vbits, pos_buf, val_buf, count, gkey, gstart, rank
     """Decode both ctx streams of a segment over n elements, without the base words: the group
     table and, group-major, each change's rank within its group and its value.
 
-    All of it but the placement (`ctx_place`) needs no base, so a receiver whose base words
+    All of it but the placement (`place.ctx_place`) needs no base, so a receiver whose base words
     live on a device decodes here and places there. gkey (≥ size slots) gets the groups' keys,
     gstart (≥ size + 1) their starts in ranks/zs (count slots each). Returns the number of
     groups or a negative status. Every loop is bounded by the stream's length (a truncated
@@ -337,62 +336,3 @@ def ctx_decode_ranks(n, size, vbits, pos_buf, val_buf, count, gkey, gstart, rank
     if status < 0:
         return status
     return ngroups
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def ctx_place(base, shift, gmask, gkey, gstart, ngroups, ranks, zs, out_pos, out_z):
-    """Place group-major (rank, value) entries (`ctx_decode_ranks`) at the positions of the old
-    words `base`: out_pos gets the positions, increasing, out_z the values in that order.
-
-    One pass over the old words, counting down per key: `left[k]` elements of key k pass before
-    its next change, where the count reaches zero and restarts at the gap to the key's next
-    change (`after`, computed before the pass: reading two ranks and the group's end at each
-    change took 1.10-1.12x as long on MiniLM deltas; -1 after a group's last: never zero
-    again). One load, one store and a test against zero per element (a running rank compared
-    with a loaded target took 1.04-1.19x as long). The tables are indexed by the key itself,
-    int32 where every count fits (0.94-0.97x the time of int64 tables on MiniLM deltas).
-    Unsigned indices where a change is placed: numba adds a wrap-around fix to every signed
-    index LLVM cannot prove non-negative (0.88-0.90x the time without it); and each group's
-    entries are prefetched PLACE_AHEAD changes ahead, one stream per key being more than the
-    hardware prefetcher follows (0.95x). Returns the count placed, or POSITION_OUT_OF_RANGE if
-    a rank is past its group's elements. The decoder's keys (below 2^exponent bits) and each
-    group's ranks are strictly increasing."""
-    count = gstart[ngroups]
-    if base.shape[0] < 1 << 31:
-        t = _place(base, shift, gmask, gkey, gstart, ngroups, ranks, zs, out_pos, out_z,
-                   np.empty(count, np.int32))
-    else:
-        t = _place(base, shift, gmask, gkey, gstart, ngroups, ranks, zs, out_pos, out_z,
-                   np.empty(count, np.int64))
-    return count if t == count else POSITION_OUT_OF_RANGE
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def _place(base, shift, gmask, gkey, gstart, ngroups, ranks, zs, out_pos, out_z, after):
-    """ctx_place with tables of after's integer type: the changes placed."""
-    left = np.full(int(gmask) + 1, -1, after.dtype)  # elements of the key before its next change
-    nxt = np.zeros(int(gmask) + 1, after.dtype)  # index (group-major) of the key's next change
-    for j in range(after.shape[0] - 1):  # elements of the key between change j and its next
-        after[j] = ranks[j + 1] - ranks[j] - 1
-    for grp in range(ngroups):
-        k = gkey[grp]
-        nxt[k] = gstart[grp]
-        left[k] = ranks[gstart[grp]]
-        after[gstart[grp + 1] - 1] = -1  # a group's last change: none after it
-    sh = np.uint64(shift)
-    t = _ZERO
-    for p in range(base.shape[0]):
-        k = (np.uint64(base[p]) >> sh) & gmask
-        r = left[k]
-        left[k] = r - 1
-        if r != 0:
-            continue
-        e = np.uint64(nxt[k])  # the change's entry (group-major)
-        out_pos[t] = p
-        out_z[t] = zs[e]
-        t += _U1
-        nxt[k] = e + _U1
-        left[k] = after[e]
-        prefetch(zs, e + PLACE_AHEAD)
-        prefetch(after, e + PLACE_AHEAD)
-    return np.int64(t)

@@ -72,6 +72,18 @@ def trailing_zeros(typingctx, x):
 
 
 @intrinsic
+def count_ones(typingctx, x):
+    """The set bits of a uint64 (LLVM's ctpop: one instruction where the CPU has one)."""
+    if x != types.uint64:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.ctpop(args[0])
+
+    return types.int64(x), codegen
+
+
+@intrinsic
 def prefetch(typingctx, arr, index):
     """Ask the cache for arr[index] ahead of its use (LLVM's prefetch: a read, kept close). A
     hint only: it never faults, so an index past the end is harmless and needs no clamp."""
