@@ -136,9 +136,9 @@ def _place(base, shift, gmask, gkey, gstart, ngroups, ranks, zs, out_pos, out_z,
 def _place_blocks(base, shift, gmask, gkey, gstart, ngroups, ranks, zs, out_pos, out_z, after):
     """In blocks of BLOCK words (see the module docstring); the rest of the range word by word.
     Returns the changes placed, or -1 when fewer than TOP keys can be tracked (the caller then
-    places word by word). Side by side with `_place` on MiniLM's tensors, one thread: 0.53x its
-    time at 0.3% changed, 0.73x at 1%, 0.76x at 3%, 0.89x on a real step at 7%, where most of
-    what is left is a mispredicted branch per change found."""
+    places word by word). Side by side with `_place` on MiniLM's tensors, one thread, two runs:
+    0.52-0.53x its time at 0.3% changed, 0.73x at 1%, 0.76-0.82x at 3%, 0.89-0.92x on a real
+    step at 7%, where most of what is left is a mispredicted branch per change found."""
     n = base.shape[0]
     size = int(gmask) + 1
     left, nxt = _tables(gmask, gkey, gstart, ngroups, ranks, after)
