@@ -1,17 +1,25 @@
 """codec.place: the block placement places exactly what the word-by-word one places.
 
 Both are run on the same decoded segments (real encoder, real decoder) over word types, key
-widths, range lengths around the block size and the sample, change rates, and ranges with more
-keys than the blocks track (the rare keys' word-by-word path); and on hostile ranks, which both
-must refuse the same way (fewer changes placed than declared).
+widths, range lengths around the block size and the sample, change rates, and ranges with keys
+outside the blocks' window (their word-by-word path); and on hostile ranks, which both must
+refuse the same way (fewer changes placed than declared). The vector steps' generic lowerings
+(for CPUs without GFNI or a fast pdep) run in subprocesses compiling for such CPUs.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from weighthub.codec import UndoLog, apply_segment, encode_segment
+from weighthub.codec import UndoLog, apply_segment, encode_segment, place_vectors
 from weighthub.codec.coding import CONTEXT_CODINGS, ENCODE_PROFILES
 from weighthub.codec.ctx import decode_changes, group_ranks
 from weighthub.codec.kernels import POSITION_OUT_OF_RANGE
@@ -51,7 +59,7 @@ def _placed(old: np.ndarray, dtype: DType, changed: np.ndarray):
     return out
 
 
-@pytest.mark.parametrize("name", ["BF16", "F16", "F32"])
+@pytest.mark.parametrize("name", ["BF16", "F16", "F32", "F8_E4M3", "F8_E5M2"])
 @pytest.mark.parametrize("n", [BLOCKS_FROM, BLOCKS_FROM + 1, BLOCKS_FROM + 4 * BLOCK - 1,
                                70_001])
 @pytest.mark.parametrize("rate,wide", [(0.003, False), (0.05, False), (0.3, True)])
@@ -112,18 +120,93 @@ def test_ranks_past_their_keys_elements_are_refused(place) -> None:
     assert 0 <= placed < ranks.size
 
 
-def test_blocks_decline_when_every_spare_key_has_changes() -> None:
-    """With fewer keys in the range than TOP and every other key named by a (hostile) group,
-    no slot can be spared: the blocks decline and ctx_place counts word by word (and refuses
-    the ranks no element reaches)."""
+def test_ranks_for_every_key_past_the_few_present_are_refused() -> None:
+    """A (hostile) group for every key of the format, where the range holds three: the blocks
+    place the changes of the keys present and no more, and ctx_place refuses the segment."""
     n = BLOCKS_FROM
     old = (np.arange(n) % 3 + 10).astype(np.uint16) << np.uint16(10)  # fp16 keys 10, 11, 12
-    keys = list(range(32))
-    ranks = [[0] for _ in keys]
-    gkey, gstart, rk, zs = _hostile(n, np.asarray(keys), ranks)
+    gkey, gstart, rk, zs = _hostile(n, np.arange(32), [[0] for _ in range(32)])
     pos, z = np.empty(rk.size, np.int64), np.empty(rk.size, np.uint64)
-    after = np.empty(rk.size, np.int32)
     assert _place_blocks(old, 10, np.uint64(31), gkey, gstart, gkey.size, rk, zs, pos, z,
-                         after) == -1
+                         np.empty(rk.size, np.int32)) == 3
+    assert list(pos[:3]) == [0, 1, 2]
     assert ctx_place(old, 10, np.uint64(31), gkey, gstart, gkey.size, rk, zs, pos, z) == \
         POSITION_OUT_OF_RANGE
+
+
+def test_blocks_decline_keys_fewer_than_the_window() -> None:
+    """Keys of 3 bits (8 of them, fewer than the window's TOP): the blocks decline and
+    ctx_place counts word by word."""
+    n = 2 * BLOCKS_FROM
+    old = (np.arange(n) % 5).astype(np.uint8) << np.uint8(4)
+    changed = np.array([3, 700, 701, n - 1], np.int64)
+    keys = (old[changed] >> 4).astype(np.int64)
+    order = np.argsort(keys, kind="stable")
+    gkey, counts = np.unique(keys, return_counts=True)
+    gstart = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    ranks = (changed // 5)[order]  # position p is element p // 5 of its key
+    zs = changed[order].astype(np.uint64)
+    pos, z = np.empty(4, np.int64), np.empty(4, np.uint64)
+    assert _place_blocks(old, 4, np.uint64(7), gkey, gstart, gkey.size, ranks, zs, pos, z,
+                         np.empty(4, np.int32)) == -1
+    assert ctx_place(old, 4, np.uint64(7), gkey, gstart, gkey.size, ranks, zs, pos, z) == 4
+    assert np.array_equal(pos, changed) and np.array_equal(z.view(np.int64), changed)
+
+
+@pytest.mark.parametrize("tail", [1, BLOCK - 1])
+def test_a_count_restart_pending_at_the_last_block_carries_into_the_tail(tail: int) -> None:
+    """The last whole block's one change hands its key's restart to the next block, and there
+    is none: the tail, word by word, must start from it."""
+    dtype = DTYPE_BY_NAME["BF16"]
+    n = BLOCKS_FROM + tail
+    old = np.full(n, 0x3C00, np.uint16)
+    full = n - n % BLOCK
+    changed = np.array([5, full - 1, n - 1], np.int64)  # one key: simple blocks, then the tail
+    (word_count, word_pos, _), (block_count, block_pos, block_z) = _placed(old, dtype, changed)
+    assert word_count == block_count == 3
+    assert np.array_equal(word_pos, changed) and np.array_equal(block_pos, changed)
+    assert np.array_equal(block_z.view(np.int64), changed)
+
+
+_CPUS = {  # NUMBA_CPU_NAME, NUMBA_CPU_FEATURES: the lowerings each gets
+    "x86-64-v2": ("+popcnt,+sse4.2", {"counts": "compare", "nth_set_bit": "search"}),
+    "x86-64-v3": ("+avx2,+bmi2,+popcnt", {"counts": "compare", "nth_set_bit": "pdep"}),
+}
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 CPU names")
+@pytest.mark.parametrize("cpu", sorted(_CPUS))
+def test_the_generic_lowerings_place_the_same(cpu: str, tmp_path: Path) -> None:
+    """This file's placement checks again (`_checks`), in a process whose kernels numba
+    compiles for an older CPU, into a cache of its own: the compare counts, and the popcount
+    search or pdep. A plain process: the suite's warm-up of every kernel is not needed."""
+    features, expected = _CPUS[cpu]
+    env = dict(os.environ, NUMBA_CPU_NAME=cpu, NUMBA_CPU_FEATURES=features,
+               NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            f"import test_place; print(test_place._checks({cpu!r}))")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.stdout.strip().splitlines()[-1] == str(expected), run.stdout
+
+
+def _checks(cpu: str) -> dict[str, str]:
+    """The placement tests above on bf16, run in this process; returns its lowerings."""
+    got = place_vectors.lowering()
+    assert got == _CPUS[cpu][1], got
+    for n, (rate, wide) in itertools.product(
+            [BLOCKS_FROM, BLOCKS_FROM + 1, 70_001], [(0.003, False), (0.05, False), (0.3, True)]):
+        test_blocks_place_what_the_word_by_word_count_places("BF16", n, rate, wide)
+    for place in (_place, _place_blocks, None):
+        test_ranks_past_their_keys_elements_are_refused(place)
+    for tail in (1, BLOCK - 1):
+        test_a_count_restart_pending_at_the_last_block_carries_into_the_tail(tail)
+    test_ranks_for_every_key_past_the_few_present_are_refused()
+    return got
+
+
+def test_the_lowering_is_one_of_the_known() -> None:
+    """Which lowering this process compiles (the bench reports it)."""
+    got = place_vectors.lowering()
+    assert got["counts"] in ("gfni", "compare") and got["nth_set_bit"] in ("pdep", "search")

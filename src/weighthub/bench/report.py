@@ -74,12 +74,21 @@ def _table(head: list[str], rows: list[list[str]]) -> list[str]:
             *("| " + " | ".join(r) + " |" for r in rows)]
 
 
+def _cpu(machine: dict[str, Any]) -> str:
+    """The CPU model and the placement's vector lowerings (place_vectors), where recorded."""
+    if "cpu" not in machine:
+        return ""
+    low = machine.get("placement", {})
+    return (f" ({machine['cpu']}; placement: {low.get('counts', '?')} counts, "
+            f"{low.get('nth_set_bit', '?')} lanes)")
+
+
 def render(doc: dict[str, Any], plots: list[str]) -> str:
     """The whole report as Markdown; `plots` are file names next to it."""
     runs = doc["runs"]
     out = ["# weighthub bench", "",
            f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(doc['created']))}; "
-           f"{doc['machine']['cpus']} CPUs, {doc['machine']['platform']}; "
+           f"{doc['machine']['cpus']} CPUs, {doc['machine']['platform']}{_cpu(doc['machine'])}; "
            f"{len(runs)} runs in {_secs(doc['seconds'])}. All payloads are summed over every step "
            "of a run; ratios are to dense bf16 bytes.", ""]
     out += _targets(doc["targets"]) + _payloads(runs) + _throughput(runs) + _codec_speed(runs)

@@ -26,7 +26,9 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from llvmlite import binding as llvm
 
+from ..codec import place_vectors
 from ..codec.coding import ENCODE_PROFILES
 from ..publish import Publisher
 from ..receive import Receiver
@@ -285,7 +287,8 @@ def run_bench(trajectories: list[tuple[TrajectoryLike, str]], cfg: BenchConfig =
         "format": "weighthub-bench/1",
         "created": time.time(),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version(), "torch": torch.__version__},
+                    "python": platform.python_version(), "torch": torch.__version__,
+                    "cpu": llvm.get_host_cpu_name(), "placement": place_vectors.lowering()},
         "config": {**asdict(cfg), "policies": {n: asdict(p) for n, p in POLICIES.items()}},
         "runs": runs,
     }

@@ -7,37 +7,34 @@ a pass over every old word. That pass, not the entropy coder, is most of a decod
 rates, so it runs two ways:
 
     _place         one word at a time, a count-down per key (any word type, any key size)
-    _place_blocks  64 words at a time: each of the TOP keys most frequent in a sample is
-                   counted in a block with a vector compare and a popcount, and only a block
-                   where a count passes that key's next change, or where a word's key is none of
-                   the TOP, is looked at word by word (keys of at most 8 bits: every float
-                   format but fp64)
+    _place_blocks  64 words at a time: the TOP consecutive keys holding most of a sample (the
+                   window) are counted per block by vector code, and a block's words are looked
+                   at one by one only where a count passes its key's next change or a word's
+                   key is outside the window (keys of at most 8 bits: every float format but
+                   fp64)
 
 Both place exactly the same changes (tests/unit/test_place.py); `ctx_place` chooses. The
-vector code is LLVM IR built here (`block_counts`, `block_masks`): generic vectors, which LLVM
-lowers for whatever CPU it compiles for (AVX-512 compares into mask registers on this
-machine's, narrower vectors elsewhere).
+vector steps are LLVM IR in `place_vectors`, lowered for the CPU numba compiles for.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.extending import intrinsic
 
 from ..kernel_cache import njit
 from .kernels import POSITION_OUT_OF_RANGE, count_ones, prefetch, trailing_zeros
+from .place_vectors import BLOCK, TOP, key_mask, nth_set_bit, set_lane, window_counts
 
 PLACE_AHEAD = np.uint64(16)  # changes of a key ahead that _place prefetches (see there)
-BLOCK = 64  # words a block: one bit each in a uint64 lane mask
-TOP = 16  # keys counted by vector compares; the others word by word
-SAMPLE = 8192  # words whose keys choose the TOP, spread over the range
+SAMPLE = 8192  # words whose keys choose the window, spread over the range
 BLOCKS_FROM = 8 * BLOCK  # ranges shorter than this are placed word by word
 _BIG = np.int64(1) << np.int64(62)  # "no change ahead": a count no range reaches
 
 _U1 = np.uint64(1)
 _ZERO = np.uint64(0)
+_DUE = np.uint64((1 << TOP) - 1)  # window_counts' bits of the keys due in a block
+_NONE = np.uint64(1 << TOP)  # ... and the slot standing for none
+_LANE = np.uint64(BLOCK - 1)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -48,8 +45,7 @@ def ctx_place(base, shift, gmask, gkey, gstart, ngroups, ranks, zs, out_pos, out
     group's elements. The decoder's keys (below 2^exponent bits) and each group's ranks are
     strictly increasing.
 
-    In blocks where the keys fit a byte and the range is long enough (and TOP keys can be
-    tracked: `_place_blocks` declines a range whose every key has changes beyond the sample's),
+    In blocks where the keys fit a byte, number at least TOP and the range is long enough,
     else word by word. Tables are int32 where every count fits (0.94-0.97x the time of int64
     tables on MiniLM deltas)."""
     count = gstart[ngroups]
@@ -134,186 +130,132 @@ def _place(base, shift, gmask, gkey, gstart, ngroups, ranks, zs, out_pos, out_z,
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def _place_blocks(base, shift, gmask, gkey, gstart, ngroups, ranks, zs, out_pos, out_z, after):
-    """In blocks of BLOCK words (see the module docstring); the rest of the range word by word.
-    Returns the changes placed, or -1 when fewer than TOP keys can be tracked (the caller then
-    places word by word). Side by side with `_place` on MiniLM's tensors, one thread, two runs:
-    0.52-0.53x its time at 0.3% changed, 0.73x at 1%, 0.76-0.82x at 3%, 0.89-0.92x on a real
-    step at 7%, where most of what is left is a mispredicted branch per change found."""
+    """In blocks of BLOCK words (see the module docstring); the words after the last whole
+    block word by word. Returns the changes placed, or -1 for keys too few for a window (the
+    caller then places word by word).
+
+    A block with no change, or one change, takes no branch on the data: the first key due is
+    placed whether or not there is one (slot TOP, a spare that is never due, stands for none),
+    and its count's restart is handed to the next block's window_counts rather than stored (a
+    scalar store that the next block's vector load could not forward). Blocks with more
+    changes, or a word outside the window, take the general path: every due key's changes,
+    the words outside the window word by word, and the block's changes written in lane order.
+    Side by side with the blocks of 16 compares and popcounts that came before (the window's
+    counts by GFNI, pdep), on MiniLM's tensors at 0.3 / 1 / 2 / 3% changed, one thread:
+    0.72-0.74 / 0.60 / 0.73-0.74 / 0.83-0.85x their time (two runs)."""
     n = base.shape[0]
+    count = gstart[ngroups]
     size = int(gmask) + 1
-    left, nxt = _tables(gmask, gkey, gstart, ngroups, ranks, after)
-    sh = np.uint64(shift)
-    hist = np.zeros(size, np.int64)
-    for p in range(0, n, max(1, n // SAMPLE)):
-        hist[(np.uint64(base[p]) >> sh) & gmask] += 1
-    # the TOP keys most frequent in the sample; slots to spare take keys without changes,
-    # which count against nothing (a key with changes is a slot's or is counted word by word)
-    tkey = np.empty(TOP, np.int64)
-    tleft = np.full(TOP, _BIG, np.int64)  # as left[k]; _BIG: no change ahead
-    tnxt = np.zeros(TOP, np.int64)
-    ntop = 0
-    for k in np.argsort(-hist):
-        if ntop == TOP:
-            break
-        if hist[k] == 0 and left[k] >= 0:
-            continue
-        tkey[ntop] = k
-        if left[k] >= 0:
-            tleft[ntop] = left[k]
-        tnxt[ntop] = nxt[k]
-        ntop += 1
-    if ntop < TOP:
+    if size < TOP:
         return -1
-    masks = np.empty(TOP + 1, np.uint64)
+    left, nxt = _tables(gmask, gkey, gstart, ngroups, ranks, after)
+    if count == 0:
+        return 0
+    kbase = _window(base, shift, gmask)
+    sh = np.uint64(shift)
+    tkey = np.zeros(TOP + 1, np.int64)  # slot TOP: no key due (never due itself)
+    tleft = np.full(TOP + 1, _BIG, np.int64)  # as left[k]; _BIG: no change ahead
+    tleft[TOP] = 0  # (so that i + gap below stays far from overflowing for slot TOP)
+    tnxt = np.zeros(TOP + 1, np.int64)
+    for q in range(TOP):
+        tkey[q] = kbase + q
+        if left[kbase + q] >= 0:
+            tleft[q] = left[kbase + q]
+        tnxt[q] = nxt[kbase + q]
+    kb = np.empty(BLOCK, np.uint8)  # the block's keys
     zslot = np.empty(BLOCK, np.uint64)  # the values of the block's changes, by lane
     t = _ZERO
     full = n - n % BLOCK
-    for b0 in range(0, full, BLOCK):
-        flags = np.uint64(block_counts(base, b0, shift, gmask, tkey, tleft))
-        if flags == _ZERO:
-            continue
-        block_masks(base, b0, shift, gmask, tkey, masks)
-        found = _ZERO  # lanes holding a change
-        due = flags & np.uint64((1 << TOP) - 1)  # slots with a change in the block
-        while due != _ZERO:
-            q = trailing_zeros(due)
-            due &= due - _U1
-            m = masks[q]
-            c = count_ones(m)
-            i = tleft[q] + c  # block_counts took the block's c off: this is the count before
-            e = tnxt[q]
-            while i < c:  # the change is the key's i-th element in the block
-                lane = nth_set_bit(m, i)
-                found |= _U1 << np.uint64(lane)
-                zslot[lane] = zs[np.uint64(e)]
-                a = after[np.uint64(e)]
-                i = i + 1 + a if a >= 0 else _BIG
-                e += 1
-            tnxt[q] = e
-            tleft[q] = i - c
-        rare = ~masks[TOP] if flags >> np.uint64(TOP) else _ZERO  # lanes of no slot's key
-        while rare != _ZERO:
-            lane = trailing_zeros(rare)
-            rare &= rare - _U1
-            e = _count_down(base, b0 + lane, sh, gmask, left, nxt, after)
-            if e >= 0:
-                found |= _U1 << np.uint64(lane)
-                zslot[lane] = zs[np.uint64(e)]
-        while found != _ZERO:
-            lane = trailing_zeros(found)
-            found &= found - _U1
-            out_pos[t] = b0 + lane
-            out_z[t] = zslot[lane]
-            t += _U1
+    b0 = 0
+    qp, addp = np.uint64(TOP), np.int64(0)  # the restart handed on: slot, increment
+    while b0 < full and t < np.uint64(count):
+        flags = np.uint64(window_counts(base, b0, shift, gmask, kbase, tleft, kb, qp, addp))
+        due = flags & _DUE
+        q = trailing_zeros(due | _NONE)
+        m = key_mask(kb, tkey[q])
+        c = count_ones(m)
+        i = tleft[q] + c  # window_counts took the block's c off: this is the count before
+        e = np.uint64(tnxt[q])
+        a = after[e]
+        gap = 1 + a if a >= 0 else _BIG  # to the key's next change; _BIG: none
+        if ((flags ^ due) | (due & (due - _U1))) != _ZERO or i + gap < c:
+            # the general path (written out here: a call would count references to 12 arrays)
+            qp = np.uint64(TOP)
+            found = _ZERO  # lanes holding a change
+            while due != _ZERO:
+                q = trailing_zeros(due)
+                due &= due - _U1
+                m = key_mask(kb, tkey[q])
+                c = count_ones(m)
+                i = tleft[q] + c
+                e = np.uint64(tnxt[q])
+                while i < c:  # the change is the key's i-th element in the block
+                    lane = nth_set_bit(m, np.uint64(i))
+                    found |= _U1 << np.uint64(lane)
+                    zslot[lane] = zs[e]
+                    a = after[e]
+                    i = i + 1 + a if a >= 0 else _BIG
+                    e += _U1
+                tnxt[q] = e
+                set_lane(tleft, q, i - c)
+            if flags >> np.uint64(TOP):  # words outside the window, word by word
+                inside = _ZERO
+                for r in range(TOP):
+                    inside |= key_mask(kb, tkey[r])
+                outside = ~inside
+                while outside != _ZERO:
+                    lane = trailing_zeros(outside)
+                    outside &= outside - _U1
+                    e2 = _count_down(base, b0 + lane, sh, gmask, left, nxt, after)
+                    if e2 >= 0:
+                        found |= _U1 << np.uint64(lane)
+                        zslot[lane] = zs[np.uint64(e2)]
+            while found != _ZERO:
+                lane = trailing_zeros(found)
+                found &= found - _U1
+                out_pos[t] = b0 + lane
+                out_z[t] = zslot[lane]
+                t += _U1
+        else:  # one change, or none (q == TOP: written where the next change goes, not counted)
+            one = np.uint64(q < TOP)
+            out_pos[t] = b0 + nth_set_bit(m, np.uint64(i) & _LANE)
+            out_z[t] = zs[e]
+            t += one
+            tnxt[q] = e + one
+            qp, addp = np.uint64(q), gap  # not i + gap - c: i is not on the next block's path
+        b0 += BLOCK
+    if qp < np.uint64(TOP):
+        tleft[qp] += addp
+    if t == np.uint64(count):
+        return np.int64(t)
     for q in range(TOP):  # the last words, word by word: the slots' counts back in the tables
         left[tkey[q]] = tleft[q] if tleft[q] < _BIG // 2 else -1
         nxt[tkey[q]] = tnxt[q]
-    for p in range(full, n):
-        e = _count_down(base, p, sh, gmask, left, nxt, after)
-        if e >= 0:
+    for p in range(b0, n):
+        e3 = _count_down(base, p, sh, gmask, left, nxt, after)
+        if e3 >= 0:
             out_pos[t] = p
-            out_z[t] = zs[np.uint64(e)]
+            out_z[t] = zs[np.uint64(e3)]
             t += _U1
     return np.int64(t)
 
 
-@njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def nth_set_bit(m, i):
-    """The index of the i-th (from 0) set bit of m, i < popcount(m): a binary search by
-    popcounts, without branches (a branch per halving mispredicted half the time)."""
-    at = np.int64(0)
-    for half in (32, 16, 8, 4, 2, 1):
-        c = count_ones(m & ((_U1 << np.uint64(half)) - _U1))
-        skip = np.int64(i >= c)
-        i -= c * skip
-        m >>= np.uint64(half * skip)
-        at += half * skip
-    return at
-
-
-# --- the vector steps, in LLVM IR -----------------------------------------------------------
-
-def _splat(builder, x, ty):
-    """A vector of type `ty` with every lane x."""
-    i32 = ir.IntType(32)
-    one = builder.insert_element(ir.Constant(ty, ir.Undefined), x, ir.Constant(i32, 0))
-    return builder.shuffle_vector(one, ir.Constant(ty, ir.Undefined),
-                                  ir.Constant(ir.VectorType(i32, ty.count), [0] * ty.count))
-
-
-def _key_masks(context, builder, sig, args):
-    """IR: the lane masks (i64) of keys tkey[0..TOP) (args[4]) among the BLOCK words of
-    args[0] from args[1], the key of a word w being (w >> args[2]) & args[3] (< 256)."""
-    wty = context.get_value_type(sig.args[0].dtype)
-    i8, i64 = ir.IntType(8), ir.IntType(64)
-    words = context.make_array(sig.args[0])(context, builder, args[0])
-    keys = context.make_array(sig.args[4])(context, builder, args[4])
-    vty = ir.VectorType(wty, BLOCK)
-
-    def word(x):
-        return builder.trunc(x, wty) if wty.width < 64 else x
-
-    v = builder.load(builder.bitcast(builder.gep(words.data, [args[1]]), vty.as_pointer()),
-                     align=1)
-    v = builder.and_(builder.lshr(v, _splat(builder, word(args[2]), vty)),
-                     _splat(builder, word(args[3]), vty))
-    v8 = builder.trunc(v, ir.VectorType(i8, BLOCK)) if wty.width > 8 else v  # compare bytes
-    masks = []
+@njit(cache=True, nogil=True, boundscheck=False)
+def _window(base, shift, gmask):
+    """The first of the TOP consecutive keys that hold most of a sample of SAMPLE words spread
+    over the range (trained weights' exponents crowd into a few binades)."""
+    n = base.shape[0]
+    size = int(gmask) + 1
+    hist = np.zeros(size, np.int64)
+    sh = np.uint64(shift)
+    for p in range(0, n, max(1, n // SAMPLE)):
+        hist[(np.uint64(base[p]) >> sh) & gmask] += 1
+    held = np.int64(0)
     for q in range(TOP):
-        key = builder.trunc(builder.load(builder.gep(keys.data, [ir.Constant(i64, q)])), i8)
-        hit = builder.icmp_unsigned("==", v8, _splat(builder, key, ir.VectorType(i8, BLOCK)))
-        masks.append(builder.bitcast(hit, i64))
-    return masks
-
-
-def _typed_words(words: types.Type) -> bool:
-    return isinstance(words, types.Array) and isinstance(words.dtype, types.Integer)
-
-
-@intrinsic
-def block_counts(typingctx, words, start, shift, gmask, tkey, tleft):
-    """tleft[q] -= the count of key tkey[q] among the BLOCK words from `start` (q < TOP).
-    Returns the bits q whose tleft went negative (a change of that key is in the block), and
-    bit TOP when a word's key is none of tkey."""
-    if not _typed_words(words):
-        return None
-
-    def codegen(context, builder, sig, args):
-        i32, i64 = ir.IntType(32), ir.IntType(64)
-        lty = ir.VectorType(i64, TOP)
-        counts = ir.Constant(lty, ir.Undefined)
-        total = ir.Constant(i64, 0)
-        for q, m in enumerate(_key_masks(context, builder, sig, args)):
-            c = builder.ctpop(m)
-            counts = builder.insert_element(counts, c, ir.Constant(i32, q))
-            total = builder.add(total, c)
-        lptr = builder.bitcast(context.make_array(sig.args[5])(context, builder, args[5]).data,
-                               lty.as_pointer())
-        left = builder.sub(builder.load(lptr, align=8), counts)
-        builder.store(left, lptr, align=8)
-        due = builder.icmp_signed("<", left, ir.Constant(lty, [0] * TOP))
-        due = builder.zext(builder.bitcast(due, ir.IntType(TOP)), i64)
-        rare = builder.zext(builder.icmp_unsigned("!=", total, ir.Constant(i64, BLOCK)), i64)
-        return builder.or_(due, builder.shl(rare, ir.Constant(i64, TOP)))
-
-    return types.int64(words, start, shift, gmask, tkey, tleft), codegen
-
-
-@intrinsic
-def block_masks(typingctx, words, start, shift, gmask, tkey, masks):
-    """masks[q] = the lane mask of key tkey[q] among the BLOCK words from `start` (q < TOP),
-    masks[TOP] = their union."""
-    if not _typed_words(words):
-        return None
-
-    def codegen(context, builder, sig, args):
-        i64 = ir.IntType(64)
-        out = context.make_array(sig.args[5])(context, builder, args[5])
-        union = ir.Constant(i64, 0)
-        for q, m in enumerate(_key_masks(context, builder, sig, args)):
-            builder.store(m, builder.gep(out.data, [ir.Constant(i64, q)]))
-            union = builder.or_(union, m)
-        builder.store(union, builder.gep(out.data, [ir.Constant(i64, TOP)]))
-        return context.get_dummy_value()
-
-    return types.none(words, start, shift, gmask, tkey, masks), codegen
+        held += hist[q]
+    best, kbase = held, 0
+    for k in range(1, size - TOP + 1):
+        held += hist[k + TOP - 1] - hist[k - 1]
+        if held > best:
+            best, kbase = held, k
+    return kbase
