@@ -27,8 +27,8 @@ PACKAGE = Path(__file__).resolve().parent
 # (tests/unit/test_kernel_cache.py checks the list is whole)
 KERNEL_MODULES = ("codec/ans.py", "codec/ans_kernels.py", "codec/ctx_kernels.py",
                   "codec/kernels.py", "codec/place.py", "codec/place_vectors.py",
-                  "codec/prepared.py",
-                  "codec/prepared_many.py", "codec/rangecoder.py", "codec/small_kernels.py",
+                  "codec/prepared.py", "codec/prepared_many.py", "codec/rangecoder.py",
+                  "codec/ranks.py", "codec/small_kernels.py",
                   "digest/kernels.py", "digest/mix.py", "format/table_kernel.py")
 
 

@@ -1,4 +1,5 @@
-"""codec.place: the block placement places exactly what the word-by-word one places.
+"""codec.place: the block placement places exactly what the word-by-word one places; and
+codec.ranks, its inverse on the encoder's side: the block ranks are the word-by-word ones.
 
 Both are run on the same decoded segments (real encoder, real decoder) over word types, key
 widths, range lengths around the block size and the sample, change rates, and ranges with keys
@@ -23,7 +24,9 @@ from weighthub.codec import UndoLog, apply_segment, encode_segment, place_vector
 from weighthub.codec.coding import CONTEXT_CODINGS, ENCODE_PROFILES
 from weighthub.codec.ctx import decode_changes, group_ranks
 from weighthub.codec.kernels import POSITION_OUT_OF_RANGE
+from weighthub.codec.kernels import group_ranks as word_ranks
 from weighthub.codec.place import BLOCK, BLOCKS_FROM, _place, _place_blocks, ctx_place
+from weighthub.codec.ranks import group_ranks_blocks, ranks_of_changes
 from weighthub.tensors import DTYPE_BY_NAME, DType
 
 
@@ -168,6 +171,63 @@ def test_a_count_restart_pending_at_the_last_block_carries_into_the_tail(tail: i
     assert np.array_equal(block_z.view(np.int64), changed)
 
 
+def _both_ranks(old: np.ndarray, dtype: DType, pos: np.ndarray):
+    """(done, keys, ranks) of the word-by-word and the block ranks of positions `pos`."""
+    out = []
+    for ranks_of in (word_ranks, group_ranks_blocks):
+        keys, ranks = np.empty(pos.size, np.uint64), np.empty(pos.size, np.int64)
+        done = ranks_of(old, pos, pos.size, dtype.exponent_shift, np.uint64(dtype.exponent_mask),
+                        keys, ranks)
+        out.append((done, keys, ranks))
+    return out
+
+
+@pytest.mark.parametrize("name", ["BF16", "F16", "F32", "F8_E4M3", "F8_E5M2"])
+@pytest.mark.parametrize("n", [BLOCKS_FROM, BLOCKS_FROM + 1, BLOCKS_FROM + 4 * BLOCK - 1,
+                               70_001])
+@pytest.mark.parametrize("rate,wide", [(0.003, False), (0.05, False), (0.3, True)])
+def test_block_ranks_are_the_word_by_word_ranks(name: str, n: int, rate: float,
+                                               wide: bool) -> None:
+    dtype = DTYPE_BY_NAME[name]
+    rng = np.random.default_rng(n + int(1000 * rate))
+    old = _words(dtype, n, wide, rng)
+    pos = np.flatnonzero(rng.random(n) < rate)
+    pos = np.union1d(pos, [0, n - n % BLOCK - 1, n - 1])  # the first, the last block's, the last
+    (wd, wk, wr), (bd, bk, br) = _both_ranks(old, dtype, pos)
+    assert wd == bd == pos.size
+    assert np.array_equal(wk, bk) and np.array_equal(wr, br)
+
+
+@pytest.mark.parametrize("at,bad", [(2, "repeated"), (2, "decreasing"), (2, "past the end"),
+                                    (0, "negative"), (3, "past the end")])
+def test_block_ranks_stop_where_the_word_by_word_ones_do(at: int, bad: str) -> None:
+    """Positions not strictly increasing within range: both stop at the same entry."""
+    dtype = DTYPE_BY_NAME["BF16"]
+    n = 2 * BLOCKS_FROM
+    old = _words(dtype, n, False, np.random.default_rng(3))
+    pos = np.array([5, 70, 700, 900], np.int64)
+    pos[at] = {"repeated": pos[at - 1], "decreasing": pos[at - 1] - 10, "past the end": n,
+               "negative": -1}[bad]
+    (wd, wk, wr), (bd, bk, br) = _both_ranks(old, dtype, pos)
+    assert wd == bd == at
+    assert np.array_equal(wk[:wd], bk[:bd]) and np.array_equal(wr[:wd], br[:bd])
+
+
+def test_ranks_of_changes_counts_word_by_word_where_blocks_do_not_fit() -> None:
+    """fp64 keys (11 bits), a short range, keys of 3 bits: the word-by-word ranks."""
+    rng = np.random.default_rng(5)
+    for old, shift, gmask in ((_words(DTYPE_BY_NAME["F64"], 5000, False, rng), 52, 2047),
+                              (_words(DTYPE_BY_NAME["BF16"], BLOCKS_FROM - 1, False, rng), 7, 255),
+                              ((np.arange(4000) % 5).astype(np.uint8) << np.uint8(4), 4, 7)):
+        pos = np.flatnonzero(rng.random(old.size) < 0.05)
+        keys, ranks = np.empty(pos.size, np.uint64), np.empty(pos.size, np.int64)
+        assert ranks_of_changes(old, pos, pos.size, shift, np.uint64(gmask), keys, ranks) == \
+            pos.size
+        want_k, want_r = np.empty(pos.size, np.uint64), np.empty(pos.size, np.int64)
+        word_ranks(old, pos, pos.size, shift, np.uint64(gmask), want_k, want_r)
+        assert np.array_equal(keys, want_k) and np.array_equal(ranks, want_r)
+
+
 _CPUS = {  # NUMBA_CPU_NAME, NUMBA_CPU_FEATURES: the lowerings each gets
     "x86-64-v2": ("+popcnt,+sse4.2", {"counts": "compare", "nth_set_bit": "search"}),
     "x86-64-v3": ("+avx2,+bmi2,+popcnt", {"counts": "compare", "nth_set_bit": "pdep"}),
@@ -192,7 +252,8 @@ def test_the_generic_lowerings_place_the_same(cpu: str, tmp_path: Path) -> None:
 
 
 def _checks(cpu: str) -> dict[str, str]:
-    """The placement tests above on bf16, run in this process; returns its lowerings."""
+    """The placement and rank tests above on bf16, run in this process; returns its
+    lowerings."""
     got = place_vectors.lowering()
     assert got == _CPUS[cpu][1], got
     for n, (rate, wide) in itertools.product(
@@ -203,6 +264,9 @@ def _checks(cpu: str) -> dict[str, str]:
     for tail in (1, BLOCK - 1):
         test_a_count_restart_pending_at_the_last_block_carries_into_the_tail(tail)
     test_ranks_for_every_key_past_the_few_present_are_refused()
+    for n, (rate, wide) in itertools.product(
+            [BLOCKS_FROM, 70_001], [(0.003, False), (0.3, True)]):
+        test_block_ranks_are_the_word_by_word_ranks("BF16", n, rate, wide)
     return got
 
 

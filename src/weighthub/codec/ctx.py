@@ -26,6 +26,7 @@ from . import kernels as K
 from .ans import min_symbol_bits
 from .coding import CONTEXT_CODINGS, Op, Positions, Values
 from .place import ctx_place
+from .ranks import ranks_of_changes
 from .segment import Segment, check_status
 
 # A stream of L bytes cannot hold more changes than this many per byte; a reader refuses a larger
@@ -71,8 +72,8 @@ def group_ranks(old: np.ndarray, pos: np.ndarray, dtype: DType) -> tuple[np.ndar
     count = int(pos.size)
     keys = np.empty(count, np.uint64)
     ranks = np.empty(count, np.int64)
-    done = K.group_ranks(readonly(old), readonly(pos.astype(np.int64, copy=False)), count,
-                         dtype.exponent_shift, np.uint64(dtype.exponent_mask), keys, ranks)
+    done = ranks_of_changes(readonly(old), readonly(pos.astype(np.int64, copy=False)), count,
+                            dtype.exponent_shift, np.uint64(dtype.exponent_mask), keys, ranks)
     if done != count:
         raise UsageError("grouped positions: positions not increasing or out of range")
     return keys, ranks

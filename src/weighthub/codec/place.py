@@ -151,7 +151,7 @@ def _place_blocks(base, shift, gmask, gkey, gstart, ngroups, ranks, zs, out_pos,
     left, nxt = _tables(gmask, gkey, gstart, ngroups, ranks, after)
     if count == 0:
         return 0
-    kbase = _window(base, shift, gmask)
+    kbase = window_start(base, shift, gmask)
     sh = np.uint64(shift)
     tkey = np.zeros(TOP + 1, np.int64)  # slot TOP: no key due (never due itself)
     tleft = np.full(TOP + 1, _BIG, np.int64)  # as left[k]; _BIG: no change ahead
@@ -241,7 +241,7 @@ def _place_blocks(base, shift, gmask, gkey, gstart, ngroups, ranks, zs, out_pos,
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _window(base, shift, gmask):
+def window_start(base, shift, gmask):
     """The first of the TOP consecutive keys that hold most of a sample of SAMPLE words spread
     over the range (trained weights' exponents crowd into a few binades)."""
     n = base.shape[0]
