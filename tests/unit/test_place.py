@@ -43,6 +43,23 @@ def _words(dtype: DType, n: int, wide: bool, rng: np.random.Generator) -> np.nda
     return (sign | (keys << shift) | mant).astype(dtype.uint)
 
 
+def _case(name: str, n: int, rate: float, wide: bool) -> tuple[DType, np.ndarray, np.ndarray]:
+    """(dtype, old words, changed positions) of one of the _CASES."""
+    dtype = DTYPE_BY_NAME[name]
+    rng = np.random.default_rng(n + int(1000 * rate))
+    old = _words(dtype, n, wide, rng)
+    return dtype, old, np.flatnonzero(rng.random(n) < rate)
+
+
+# word types (every key width the blocks take), range lengths around the block and the
+# sample, change rates (and keys over the whole format: many outside the window)
+_CASES = pytest.mark.parametrize(
+    "name,n,rate,wide",
+    [(name, n, rate, wide) for name in ("BF16", "F16", "F32", "F8_E4M3", "F8_E5M2")
+     for n in (BLOCKS_FROM, BLOCKS_FROM + 1, BLOCKS_FROM + 4 * BLOCK - 1, 70_001)
+     for rate, wide in ((0.003, False), (0.05, False), (0.3, True))])
+
+
 def _placed(old: np.ndarray, dtype: DType, changed: np.ndarray):
     """Both placements of the changes at `changed`, decoded as a decoder gives them (group-major
     ranks by old exponent); each change's value is its position, so a value placed with the
@@ -62,16 +79,10 @@ def _placed(old: np.ndarray, dtype: DType, changed: np.ndarray):
     return out
 
 
-@pytest.mark.parametrize("name", ["BF16", "F16", "F32", "F8_E4M3", "F8_E5M2"])
-@pytest.mark.parametrize("n", [BLOCKS_FROM, BLOCKS_FROM + 1, BLOCKS_FROM + 4 * BLOCK - 1,
-                               70_001])
-@pytest.mark.parametrize("rate,wide", [(0.003, False), (0.05, False), (0.3, True)])
+@_CASES
 def test_blocks_place_what_the_word_by_word_count_places(name: str, n: int, rate: float,
                                                          wide: bool) -> None:
-    dtype = DTYPE_BY_NAME[name]
-    rng = np.random.default_rng(n + int(1000 * rate))
-    old = _words(dtype, n, wide, rng)
-    changed = np.flatnonzero(rng.random(n) < rate)
+    dtype, old, changed = _case(name, n, rate, wide)
     (word_count, word_pos, word_z), (block_count, block_pos, block_z) = \
         _placed(old, dtype, changed)
     assert word_count == block_count == changed.size
@@ -182,16 +193,10 @@ def _both_ranks(old: np.ndarray, dtype: DType, pos: np.ndarray):
     return out
 
 
-@pytest.mark.parametrize("name", ["BF16", "F16", "F32", "F8_E4M3", "F8_E5M2"])
-@pytest.mark.parametrize("n", [BLOCKS_FROM, BLOCKS_FROM + 1, BLOCKS_FROM + 4 * BLOCK - 1,
-                               70_001])
-@pytest.mark.parametrize("rate,wide", [(0.003, False), (0.05, False), (0.3, True)])
+@_CASES
 def test_block_ranks_are_the_word_by_word_ranks(name: str, n: int, rate: float,
                                                wide: bool) -> None:
-    dtype = DTYPE_BY_NAME[name]
-    rng = np.random.default_rng(n + int(1000 * rate))
-    old = _words(dtype, n, wide, rng)
-    pos = np.flatnonzero(rng.random(n) < rate)
+    dtype, old, pos = _case(name, n, rate, wide)
     pos = np.union1d(pos, [0, n - n % BLOCK - 1, n - 1])  # the first, the last block's, the last
     (wd, wk, wr), (bd, bk, br) = _both_ranks(old, dtype, pos)
     assert wd == bd == pos.size
