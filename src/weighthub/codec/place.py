@@ -28,7 +28,10 @@ from .place_vectors import BLOCK, TOP, key_mask, nth_set_bit, set_lane, window_c
 PLACE_AHEAD = np.uint64(16)  # changes of a key ahead that _place prefetches (see there)
 SAMPLE = 8192  # words whose keys choose the window, spread over the range
 BLOCKS_FROM = 8 * BLOCK  # ranges shorter than this are placed word by word
-_BIG = np.int64(1) << np.int64(62)  # "no change ahead": a count no range reaches
+# ... and ranges this long or longer: the blocks count in int32 lanes (0.89-0.91x the time of
+# int64 lanes), where "no change ahead" (_BIG) stays above any count a range subtracts from it
+BLOCKS_UPTO = 1 << 29
+_BIG = np.int64(1) << np.int64(30)
 
 _U1 = np.uint64(1)
 _ZERO = np.uint64(0)
@@ -45,9 +48,9 @@ def ctx_place(base, shift, gmask, gkey, gstart, ngroups, ranks, zs, out_pos, out
     group's elements. The decoder's keys (below 2^exponent bits) and each group's ranks are
     strictly increasing.
 
-    In blocks where the keys fit a byte, number at least TOP and the range is long enough,
-    else word by word. Tables are int32 where every count fits (0.94-0.97x the time of int64
-    tables on MiniLM deltas)."""
+    In blocks where the keys fit a byte, number at least TOP and the range is long enough (and
+    not too long: BLOCKS_UPTO), else word by word. Tables are int32 where every count fits
+    (0.94-0.97x the time of int64 tables on MiniLM deltas)."""
     count = gstart[ngroups]
     if base.shape[0] < 1 << 31:
         t = _place_either(base, shift, gmask, gkey, gstart, ngroups, ranks, zs, out_pos, out_z,
@@ -61,7 +64,7 @@ def ctx_place(base, shift, gmask, gkey, gstart, ngroups, ranks, zs, out_pos, out
 @njit(cache=True, nogil=True, boundscheck=False)
 def _place_either(base, shift, gmask, gkey, gstart, ngroups, ranks, zs, out_pos, out_z, after):
     """ctx_place with tables of after's integer type: the changes placed."""
-    if gmask < np.uint64(256) and base.shape[0] >= BLOCKS_FROM:
+    if gmask < np.uint64(256) and BLOCKS_FROM <= base.shape[0] < BLOCKS_UPTO:
         t = _place_blocks(base, shift, gmask, gkey, gstart, ngroups, ranks, zs, out_pos, out_z,
                           after)
         if t >= 0:
@@ -141,8 +144,8 @@ def _place_blocks(base, shift, gmask, gkey, gstart, ngroups, ranks, zs, out_pos,
     changes, or a word outside the window, take the general path: every due key's changes,
     the words outside the window word by word, and the block's changes written in lane order.
     Side by side with the blocks of 16 compares and popcounts that came before (the window's
-    counts by GFNI, pdep), on MiniLM's tensors at 0.3 / 1 / 2 / 3% changed, one thread:
-    0.72-0.74 / 0.60 / 0.73-0.74 / 0.83-0.85x their time (two runs)."""
+    counts by GFNI, pdep, int32 lanes), on MiniLM's tensors at 0.3 / 1 / 2 / 3 / 7% changed,
+    one thread: 0.68 / 0.56-0.57 / 0.65-0.70 / 0.79 / 0.81-0.82x their time (two runs)."""
     n = base.shape[0]
     count = gstart[ngroups]
     size = int(gmask) + 1
@@ -154,7 +157,7 @@ def _place_blocks(base, shift, gmask, gkey, gstart, ngroups, ranks, zs, out_pos,
     kbase = window_start(base, shift, gmask)
     sh = np.uint64(shift)
     tkey = np.zeros(TOP + 1, np.int64)  # slot TOP: no key due (never due itself)
-    tleft = np.full(TOP + 1, _BIG, np.int64)  # as left[k]; _BIG: no change ahead
+    tleft = np.full(TOP + 1, _BIG, np.int32)  # as left[k]; _BIG: no change ahead
     tleft[TOP] = 0  # (so that i + gap below stays far from overflowing for slot TOP)
     tnxt = np.zeros(TOP + 1, np.int64)
     for q in range(TOP):

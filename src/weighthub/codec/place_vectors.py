@@ -32,7 +32,6 @@ TOP = 16  # the keys of the window: one byte-sized bit position each, in two byt
 
 _I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
 _BYTES = ir.VectorType(_I8, BLOCK)
-_LANES = ir.VectorType(_I64, TOP)
 _SLOW_PDEP = ("znver1", "znver2")  # pdep/pext in microcode: hundreds of cycles
 
 
@@ -73,6 +72,11 @@ def _splat(builder, x, ty):
 
 def _shuffle(builder, a, b, lanes):
     return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, len(lanes)), lanes))
+
+
+def _narrow(builder, x, vty):
+    """The integer x as an element of the vector type vty (the caller keeps it in range)."""
+    return builder.trunc(x, vty.element) if x.type.width > vty.element.width else x
 
 
 def _function(builder, name, ret, args):
@@ -131,7 +135,8 @@ def _counts_compare(builder, slot):
 def window_counts(typingctx, words, start, shift, gmask, kbase, tleft, kb, qp, addp):
     """The block of BLOCK words from `start`: kb[:] = their keys; tleft[q] += addp if q == qp
     (the update a change found in the previous block left pending); then tleft[q] -= the count
-    of key kbase + q in the block (q < TOP). Returns the bits q whose tleft went negative (a
+    of key kbase + q in the block (q < TOP; tleft's integers are the vector's lanes: int32
+    lanes take half the instructions of int64). Returns the bits q whose tleft went negative (a
     change of that key is in the block), and bit TOP if a word's key is outside the window."""
     if not (isinstance(words, types.Array) and isinstance(words.dtype, types.Integer)):
         return None
@@ -144,16 +149,17 @@ def window_counts(typingctx, words, start, shift, gmask, kbase, tleft, kb, qp, a
         inside = builder.icmp_unsigned("<", slot, ir.Constant(_BYTES, [TOP] * BLOCK))
         counts = (_counts_gfni(builder, slot, inside) if _uses_gfni(context)
                   else _counts_compare(builder, slot))
+        lty = ir.VectorType(context.get_value_type(sig.args[5].dtype), TOP)
         ptr = builder.bitcast(context.make_array(sig.args[5])(context, builder, args[5]).data,
-                              _LANES.as_pointer())
+                              lty.as_pointer())
         pending = builder.select(
-            builder.icmp_unsigned("==", ir.Constant(_LANES, list(range(TOP))),
-                                  _splat(builder, args[7], _LANES)),
-            _splat(builder, args[8], _LANES), ir.Constant(_LANES, [0] * TOP))
+            builder.icmp_unsigned("==", ir.Constant(lty, list(range(TOP))),
+                                  _splat(builder, _narrow(builder, args[7], lty), lty)),
+            _splat(builder, _narrow(builder, args[8], lty), lty), ir.Constant(lty, [0] * TOP))
         left = builder.sub(builder.add(builder.load(ptr, align=8), pending),
-                           builder.zext(counts, _LANES))
+                           builder.zext(counts, lty))
         builder.store(left, ptr, align=8)
-        due = builder.icmp_signed("<", left, ir.Constant(_LANES, [0] * TOP))
+        due = builder.icmp_signed("<", left, ir.Constant(lty, [0] * TOP))
         due = builder.zext(builder.bitcast(due, ir.IntType(TOP)), _I64)
         outside = builder.icmp_unsigned("!=", builder.bitcast(inside, _I64),
                                         ir.Constant(_I64, -1))
@@ -178,14 +184,16 @@ def key_mask(typingctx, kb, key):
 
 @intrinsic
 def set_lane(typingctx, arr, q, value):
-    """arr[q] = value for q < TOP (else nothing), stored as the whole vector arr[:TOP]: the
-    next window_counts loads it whole, which a narrower store could not forward."""
+    """arr[q] = value for q < TOP (else nothing; value in arr's integer type), stored as the
+    whole vector arr[:TOP]: the next window_counts loads it whole, which a narrower store
+    could not forward."""
     def codegen(context, builder, sig, args):
+        lty = ir.VectorType(context.get_value_type(sig.args[0].dtype), TOP)
         ptr = builder.bitcast(context.make_array(sig.args[0])(context, builder, args[0]).data,
-                              _LANES.as_pointer())
-        hit = builder.icmp_unsigned("==", ir.Constant(_LANES, list(range(TOP))),
-                                    _splat(builder, args[1], _LANES))
-        builder.store(builder.select(hit, _splat(builder, args[2], _LANES),
+                              lty.as_pointer())
+        hit = builder.icmp_unsigned("==", ir.Constant(lty, list(range(TOP))),
+                                    _splat(builder, _narrow(builder, args[1], lty), lty))
+        builder.store(builder.select(hit, _splat(builder, _narrow(builder, args[2], lty), lty),
                                      builder.load(ptr, align=8)), ptr, align=8)
         return context.get_dummy_value()
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..kernel_cache import njit
 from .kernels import count_ones, group_ranks, trailing_zeros
-from .place import BLOCKS_FROM, window_start
+from .place import BLOCKS_FROM, BLOCKS_UPTO, window_start
 from .place_vectors import BLOCK, TOP, key_mask, window_counts
 
 _U1 = np.uint64(1)
@@ -30,8 +30,9 @@ _NO_SLOT = np.uint64(TOP)  # window_counts' pending update: none
 @njit(cache=True, nogil=True, boundscheck=False)
 def ranks_of_changes(old, pos, count, shift, gmask, keys, ranks):
     """kernels.group_ranks (same arguments and result), in blocks where the keys fit a byte,
-    number at least TOP and the range is long enough."""
-    if gmask < np.uint64(256) and gmask >= np.uint64(TOP - 1) and old.shape[0] >= BLOCKS_FROM:
+    number at least TOP and the range is long enough (and not too long: int32 counts)."""
+    if (gmask < np.uint64(256) and gmask >= np.uint64(TOP - 1)
+            and BLOCKS_FROM <= old.shape[0] < BLOCKS_UPTO):
         return group_ranks_blocks(old, pos, count, shift, gmask, keys, ranks)
     return group_ranks(old, pos, count, shift, gmask, keys, ranks)
 
@@ -44,7 +45,7 @@ def group_ranks_blocks(old, pos, count, shift, gmask, keys, ranks):
     is not strictly increasing within range."""
     n = old.shape[0]
     kbase = window_start(old, shift, gmask)
-    neg = np.zeros(TOP + 1, np.int64)  # minus each window key's count through the blocks done
+    neg = np.zeros(TOP + 1, np.int32)  # minus each window key's count through the blocks done
     other = np.zeros(int(gmask) + 1, np.int64)  # the other keys' counts (all keys', in the tail)
     kb = np.empty(BLOCK, np.uint8)  # the last block's keys
     sh = np.uint64(shift)
