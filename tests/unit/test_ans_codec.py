@@ -10,10 +10,11 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from numba import njit
 
 from reference_ans import Context, code, code_positions, code_values, integer, raw, ref_ans
 from weighthub.codec import Op, Positions, Segment, UndoLog, Values, apply_segment, encode_segment
-from weighthub.codec.ans import model_rebuild, models
+from weighthub.codec.ans import _RECIPROCAL, TOTAL, _high_product, model_rebuild, models
 from weighthub.codec.coding import EncodePolicy, check_coding
 from weighthub.codec.ctx import (
     ANS_CHANGES_PER_POSITION_BYTE,
@@ -21,6 +22,7 @@ from weighthub.codec.ctx import (
     ctx_streams,
     decode_ctx,
 )
+from weighthub.codec.kernels import bit_length
 from weighthub.errors import FormatError, UsageError
 from weighthub.publish import Publisher
 from weighthub.store import MemoryStore
@@ -156,6 +158,43 @@ def test_tables_match_the_integer_formula_at_every_weight_extreme(alphabet: int)
         assert cnt[0, :alphabet].tolist() == ref.w  # halved alike past the limit
         assert cum[0, alphabet] == 4096
     assert avail > 0
+
+
+def test_the_encoders_reciprocals_divide_exactly_at_every_frequency() -> None:
+    """code_ops divides a state (< 2^32) by a symbol's frequency (2..TOTAL) with a multiply by
+    _RECIPROCAL: exact at the quotients' edges (multiples of f and one below, the largest
+    state) for every f, on the compiled high product as on Python's integers."""
+    freqs = np.arange(2, TOTAL + 1, dtype=np.uint64)
+    top = np.uint64((1 << 32) - 1)
+    for x in (freqs * (top // freqs), freqs * (top // freqs) - np.uint64(1), np.full_like(freqs, top),
+              freqs, freqs - np.uint64(1), freqs * np.uint64(1 << 19) + np.uint64(3)):
+        rcp = _RECIPROCAL[2:]
+        want = x // freqs
+        assert [(int(a) * int(r)) >> 64 for a, r in zip(x, rcp, strict=True)] == want.tolist()
+        assert np.array_equal(_high_products(x, rcp), want)
+
+
+@njit
+def _high_products(x, rcp):
+    out = np.empty_like(x)
+    for i in range(x.size):
+        out[i] = _high_product(x[i], rcp[i])
+    return out
+
+
+def test_bit_length_is_pythons() -> None:
+    values = [0, 1, 2, 3, 7, 8, 255, 256, (1 << 63) - 1, 1 << 63, (1 << 64) - 1]
+    values += [(1 << k) + d for k in range(1, 63) for d in (-1, 0, 1)]
+    got = _bit_lengths(np.array(values, np.uint64))
+    assert got.tolist() == [v.bit_length() for v in values]
+
+
+@njit
+def _bit_lengths(v):
+    out = np.empty(v.size, np.int64)
+    for i in range(v.size):
+        out[i] = bit_length(v[i])
+    return out
 
 
 def test_encoder_picks_ans_for_float_deltas_and_never_for_integers() -> None:

@@ -1,5 +1,6 @@
 """codec.place: the block placement places exactly what the word-by-word one places; and
-codec.ranks, its inverse on the encoder's side: the block ranks are the word-by-word ones.
+codec.ranks, its inverse on the encoder's side: the block ranks are the word-by-word ones, and
+the fused scan (scan.scan_ranked) finds the scan's changes with those ranks.
 
 Both are run on the same decoded segments (real encoder, real decoder) over word types, key
 widths, range lengths around the block size and the sample, change rates, and ranges with keys
@@ -20,13 +21,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from weighthub.codec import UndoLog, apply_segment, encode_segment, place_vectors
+from weighthub.codec import UndoLog, apply_segment, encode_segment, encode_segment_tracked, place_vectors
+from weighthub.codec import encode as encode_module
 from weighthub.codec.coding import CONTEXT_CODINGS, ENCODE_PROFILES
 from weighthub.codec.ctx import decode_changes, group_ranks
 from weighthub.codec.kernels import POSITION_OUT_OF_RANGE
 from weighthub.codec.kernels import group_ranks as word_ranks
 from weighthub.codec.place import BLOCK, BLOCKS_FROM, _place, _place_blocks, ctx_place
 from weighthub.codec.ranks import group_ranks_blocks, ranks_of_changes
+from weighthub.codec.scan import ranked_scan_applies, scan_range, scan_ranked
 from weighthub.tensors import DTYPE_BY_NAME, DType
 
 
@@ -233,6 +236,81 @@ def test_ranks_of_changes_counts_word_by_word_where_blocks_do_not_fit() -> None:
         assert np.array_equal(keys, want_k) and np.array_equal(ranks, want_r)
 
 
+def _changed(old: np.ndarray, pos: np.ndarray, seed: int, ulps: int = 0) -> np.ndarray:
+    """old with the words at `pos` changed: each by a random nonzero xor (of its low bits
+    only, below `ulps`, as training steps change weights)."""
+    rng = np.random.default_rng(seed)
+    new = old.copy()
+    new[pos] ^= rng.integers(1, ulps or 1 << (8 * old.itemsize), pos.size).astype(old.dtype)
+    return new
+
+
+def _assert_ranked_scan(old: np.ndarray, new: np.ndarray, dtype: DType) -> None:
+    """scan_ranked gives scan_range's changes (same types) and group_ranks' keys and ranks."""
+    assert ranked_scan_applies(old.size, dtype)
+    got = scan_ranked(old, new, dtype, old.size)
+    want = scan_range(old, new, old.size)
+    assert got is not None and want is not None
+    ch, keys, ranks = got
+    want_keys, want_ranks = group_ranks(old, want.pos, dtype)
+    for a, b in ((ch.pos, want.pos), (ch.old, want.old), (ch.new, want.new),
+                 (keys, want_keys), (ranks, want_ranks)):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+@_CASES
+def test_the_ranked_scan_is_the_scan_and_its_ranks(name: str, n: int, rate: float,
+                                                   wide: bool) -> None:
+    dtype, old, pos = _case(name, n, rate, wide)
+    pos = np.union1d(pos, [0, n - n % BLOCK - 1, n - 1])  # the first, the last block's, the last
+    _assert_ranked_scan(old, _changed(old, pos, n), dtype)
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.5, 1.0])
+def test_the_ranked_scan_grows_its_outputs_and_gives_up_past_its_limit(rate: float) -> None:
+    """Past its first guess (~3%) the outputs grow, more than once at 100% changed; past the
+    limit it gives up as scan_range does."""
+    dtype, old, pos = _case("BF16", 20_000 + 37, rate, False)
+    new = _changed(old, pos, 7)
+    _assert_ranked_scan(old, new, dtype)
+    assert scan_ranked(old, new, dtype, pos.size) is not None
+    if pos.size:
+        assert scan_ranked(old, new, dtype, pos.size - 1) is None
+        assert scan_range(old, new, pos.size - 1) is None
+
+
+def test_the_ranked_scan_takes_what_the_block_ranks_take() -> None:
+    dtype = DTYPE_BY_NAME["BF16"]
+    assert not ranked_scan_applies(BLOCKS_FROM - 1, dtype)
+    assert not ranked_scan_applies(1 << 16, DTYPE_BY_NAME["F64"])  # 11-bit keys
+    assert not ranked_scan_applies(1 << 16, DTYPE_BY_NAME["I32"])  # no exponent
+    assert ranked_scan_applies(BLOCKS_FROM, dtype)
+
+
+@pytest.mark.parametrize("rate", [0.003, 0.05])
+def test_compact_segments_are_the_same_from_either_scan(rate: float, monkeypatch) -> None:
+    """encode_segment(_tracked) codes the same segment and digest change whether the ranks
+    came with the scan (nothing counts them again) or were counted after it."""
+    dtype, old, pos = _case("BF16", 70_001, rate, False)
+    new = _changed(old, pos, 11, ulps=4)
+    policy = ENCODE_PROFILES["compact"]
+
+    def counted_again(*args):
+        raise AssertionError("the ranks the scan gave were counted again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(encode_module, "group_ranks", counted_again)
+        fused = encode_segment_tracked(old, new, dtype, tensor=0, start=5, policy=policy)
+    monkeypatch.setattr(encode_module, "ranked_scan_applies", lambda n, d: False)
+    apart = encode_segment_tracked(old, new, dtype, tensor=0, start=5, policy=policy)
+    assert fused[1] == apart[1]
+    assert fused[0] is not None and apart[0] is not None
+    assert fused[0].pos_bytes.tobytes() == apart[0].pos_bytes.tobytes()
+    assert fused[0].val_bytes.tobytes() == apart[0].val_bytes.tobytes()
+    assert (fused[0].op, fused[0].positions, fused[0].count) == \
+        (apart[0].op, apart[0].positions, apart[0].count)
+
+
 _CPUS = {  # NUMBA_CPU_NAME, NUMBA_CPU_FEATURES: the lowerings each gets
     "x86-64-v2": ("+popcnt,+sse4.2", {"counts": "compare", "nth_set_bit": "search"}),
     "x86-64-v3": ("+avx2,+bmi2,+popcnt", {"counts": "compare", "nth_set_bit": "pdep"}),
@@ -272,6 +350,7 @@ def _checks(cpu: str) -> dict[str, str]:
     for n, (rate, wide) in itertools.product(
             [BLOCKS_FROM, 70_001], [(0.003, False), (0.3, True)]):
         test_block_ranks_are_the_word_by_word_ranks("BF16", n, rate, wide)
+        test_the_ranked_scan_is_the_scan_and_its_ranks("BF16", n, rate, wide)
     return got
 
 

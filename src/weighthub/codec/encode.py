@@ -20,7 +20,7 @@ from ..tensors import DType, readonly
 from . import kernels as K
 from .coding import CONTEXT_CODERS, CONTEXT_CODINGS, EncodePolicy, Op, Positions, Values
 from .ctx import ctx_streams_ranked, group_ranks
-from .scan import Changes, scan_range
+from .scan import Changes, ranked_scan_applies, scan_range, scan_ranked
 from .segment import Segment
 
 DEFAULT_POLICY = EncodePolicy()
@@ -42,6 +42,16 @@ RankFn = Callable[[int, int, np.ndarray], "tuple[np.ndarray, np.ndarray]"]
 def host_ranks(old: np.ndarray, dtype: DType) -> RankFn:
     """The RankFn of old words held on the host."""
     return lambda lo, hi, pos: group_ranks(old[lo:hi], pos, dtype)
+
+
+def _known_ranks(old: np.ndarray, dtype: DType, ch: Changes, keys: np.ndarray,
+                 ranks: np.ndarray) -> RankFn:
+    """host_ranks, answering for the whole range's changes `ch` with the ranks the scan gave."""
+    def ranked(lo: int, hi: int, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if lo == 0 and hi == old.shape[0] and pos is ch.pos:
+            return keys, ranks
+        return group_ranks(old[lo:hi], pos, dtype)
+    return ranked
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,13 +167,34 @@ def encode_segment(old: np.ndarray | None, new: np.ndarray, dtype: DType, *, ten
     """
     if old is None:
         return _dense_segment(tensor, start, new)
-    return encode_range(_host_range(old, new, dtype, scan_range(old, new, _scan_limit(new.size))),
-                        dtype, tensor=tensor, start=start, policy=policy)
+    return encode_range(_host_scan(old, new, dtype, policy), dtype, tensor=tensor, start=start,
+                        policy=policy)
 
 
 def _host_range(old: np.ndarray, new: np.ndarray, dtype: DType, ch: Changes | None
                 ) -> RangeChanges:
     return RangeChanges(new.size, ch, host_ranks(old, dtype), lambda: new)
+
+
+def _host_scan(old: np.ndarray, new: np.ndarray, dtype: DType, policy: EncodePolicy
+               ) -> RangeChanges:
+    """The range's changes, with their ranks from the same pass over the words where they
+    will be context-coded (scan.scan_ranked: 0.63-0.70x the time of the scan and the ranks
+    apart, on MiniLM's tensors at 0.3-3% changed)."""
+    n = new.size
+    if not (_codes_in_context(policy, dtype, n) and ranked_scan_applies(n, dtype)):
+        return _host_range(old, new, dtype, scan_range(old, new, _scan_limit(n)))
+    found = scan_ranked(old, new, dtype, _scan_limit(n))
+    if found is None:
+        return _host_range(old, new, dtype, None)
+    ch, keys, ranks = found
+    return RangeChanges(n, ch, _known_ranks(old, dtype, ch, keys, ranks), lambda: new)
+
+
+def _codes_in_context(policy: EncodePolicy, dtype: DType, n: int) -> bool:
+    """Does encode_range try a context coding for a range of n elements of `dtype`?"""
+    return (policy.ctx and policy.groups and policy.mask_ops and dtype.is_float
+            and (n > SMALL_RANGE or not policy.shared_tables))  # small ones share tables
 
 
 def encode_segment_tracked(old: np.ndarray | None, new: np.ndarray, dtype: DType, *, tensor: int,
@@ -178,14 +209,14 @@ def encode_segment_tracked(old: np.ndarray | None, new: np.ndarray, dtype: DType
     """
     if old is None:
         return _dense_segment(tensor, start, new), digest_affine(new, start, (1,), threads=1)
-    ch = scan_range(old, new, _scan_limit(new.size))
+    rc = _host_scan(old, new, dtype, policy)
+    ch = rc.changes
     if ch is None:
         change = digest_sub(digest_affine(new, start, (1,), threads=1),
                             digest_affine(old, start, (1,), threads=1))
     else:
         change = digest_change(ch.pos, ch.old, ch.new, first=start)
-    return encode_range(_host_range(old, new, dtype, ch), dtype, tensor=tensor, start=start,
-                        policy=policy), change
+    return encode_range(rc, dtype, tensor=tensor, start=start, policy=policy), change
 
 
 def _scan_limit(n: int) -> int:
@@ -222,8 +253,7 @@ def encode_range(rc: RangeChanges, dtype: DType, *, tensor: int, start: int,
     dense_est = n * dtype.width * (_DENSE_RATIO if dtype.is_float else 1.0)
     val_est, op, val_codec = _pick_values(ch, dtype, policy)
     ctx = None
-    if (policy.ctx and policy.groups and policy.mask_ops and dtype.is_float
-            and (n > SMALL_RANGE or not policy.shared_tables)):  # small ones share tables
+    if _codes_in_context(policy, dtype, n):
         ctx = _ctx_segment(rc, dtype, tensor, start, op, policy)
         if ctx is not None and pos.size >= _CTX_SURE:
             # on this many changes the context coder's adaptive models have learnt what order-0

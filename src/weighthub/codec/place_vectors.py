@@ -1,4 +1,5 @@
-"""The vector steps of the block placement (`codec/place.py`), as LLVM IR in numba intrinsics.
+"""The vector steps of the block placement (`codec/place.py`) and of the encoder's ranks
+(`codec/ranks.py`), as LLVM IR in numba intrinsics.
 
 The placement tracks a window of TOP consecutive keys (old exponents) and, per block of BLOCK
 words, needs each window key's count in the block (`window_counts`), the lanes of one key
@@ -15,6 +16,9 @@ them, for the CPU it compiles for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES, else thi
     nth_set_bit  "pdep"     the i-th set bit deposited, then counted to (BMI2; not on AMD's Zen 1
                             and 2, where pdep is microcode)
                  "search"   a binary search by popcounts, without branches
+
+The encoder's fused scan also takes a block's changed lanes at once (`change_mask`: a compare
+of the two blocks, which LLVM lowers for any CPU).
 
 `lowering()` says which ones this process compiles. Both place the same changes; the tests
 run the generic ones too, compiled for an x86-64-v2 CPU in a subprocess.
@@ -167,6 +171,24 @@ def window_counts(typingctx, words, start, shift, gmask, kbase, tleft, kb, qp, a
                                             ir.Constant(_I64, TOP)))
 
     return types.int64(words, start, shift, gmask, kbase, tleft, kb, qp, addp), codegen
+
+
+@intrinsic
+def change_mask(typingctx, old, new, start):
+    """The lane mask of the BLOCK words from `start` where old and new differ (uint64)."""
+    if not (isinstance(old, types.Array) and old == new and isinstance(old.dtype, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        vty = ir.VectorType(context.get_value_type(sig.args[0].dtype), BLOCK)
+        blocks = []
+        for arr, ty in zip(args[:2], sig.args[:2], strict=True):
+            data = context.make_array(ty)(context, builder, arr).data
+            blocks.append(builder.load(builder.bitcast(builder.gep(data, [args[2]]),
+                                                       vty.as_pointer()), align=1))
+        return builder.bitcast(builder.icmp_unsigned("!=", *blocks), _I64)
+
+    return types.uint64(old, new, start), codegen
 
 
 @intrinsic

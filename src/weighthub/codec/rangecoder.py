@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernel_cache import njit
-from .kernels import BAD_CODE, STREAM_OVERRUN, TRAILING_BYTES
+from .kernels import BAD_CODE, STREAM_OVERRUN, TRAILING_BYTES, bit_length
 
 PROB_BITS = 12
 P_TOTAL = 1 << PROB_BITS
@@ -124,11 +124,8 @@ def enc_tree(low, rng, cache, csize, g, out, prob, cnt, base, sym, levels):
 
 @njit(cache=True, nogil=True, boundscheck=False, inline="always")
 def bit_length_u64(v):
-    n = 0
-    while v:
-        v >>= _U1
-        n += 1
-    return n
+    """The bit length of an unsigned integer value (any integer type, < 2^64)."""
+    return bit_length(np.uint64(v))
 
 
 @njit(cache=True, nogil=True, boundscheck=False)

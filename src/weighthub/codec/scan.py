@@ -1,6 +1,7 @@
 """The change scan: every changed element of a range with its old and new words (spec §2's
 positions, before any coding). It reads every word of both states, so it is the part of an
-encode that a device backend replaces (codec/device.py); what it finds is small.
+encode that a device backend replaces (codec/device.py); what it finds is small. Where the
+changes will be context-coded, `scan_ranked` also ranks them in the same pass (codec/ranks.py).
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import numpy as np
 
 from ..digest.linear import as_words
 from ..errors import UsageError
-from ..tensors import readonly
+from ..tensors import DType, readonly
 from . import kernels as K
+from . import ranks as R
 
 # Ranges this short are scanned element by element (~1 ns an element, against ~8 µs of set-up
 # for the word-wide scan).
@@ -28,11 +30,15 @@ class Changes:
     new: np.ndarray
 
 
-def scan_range(old: np.ndarray, new: np.ndarray, limit: int) -> Changes | None:
-    """Every changed element of two equal-length bit arrays, or None if more than `limit`."""
+def _words(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if old.shape != new.shape or old.dtype != new.dtype or old.ndim != 1:
         raise UsageError(f"changed_positions: {old.dtype}{old.shape} vs {new.dtype}{new.shape}")
-    old, new = readonly(as_words(old)), readonly(as_words(new))  # one type per word width
+    return readonly(as_words(old)), readonly(as_words(new))  # one type per word width
+
+
+def scan_range(old: np.ndarray, new: np.ndarray, limit: int) -> Changes | None:
+    """Every changed element of two equal-length bit arrays, or None if more than `limit`."""
+    old, new = _words(old, new)
     n = old.shape[0]
     if n <= _ELEMENTWISE_SCAN:  # norms, biases: the set-up of the word-wide scan costs more
         pos, ov, nv = np.empty(n, np.int64), np.empty(n, old.dtype), np.empty(n, old.dtype)
@@ -69,6 +75,42 @@ def scan_range(old: np.ndarray, new: np.ndarray, limit: int) -> Changes | None:
     if k > limit:
         return None
     return Changes(pos[:k], ov[:k], nv[:k])
+
+
+def ranked_scan_applies(n: int, dtype: DType) -> bool:
+    """Does scan_ranked take a range of n elements of `dtype`?"""
+    return dtype.is_float and bool(R.blocks_apply.py_func(n, np.uint64(dtype.exponent_mask)))
+
+
+def scan_ranked(old: np.ndarray, new: np.ndarray, dtype: DType, limit: int
+                ) -> tuple[Changes, np.ndarray, np.ndarray] | None:
+    """scan_range's changes with their old-exponent keys (uint64) and ranks (int64), as
+    ctx.group_ranks gives them, from one pass over the words (ranks.scan_ranks_blocks): for
+    a range that ranked_scan_applies to. None if more than `limit` changed."""
+    old, new = _words(old, new)
+    n = old.shape[0]
+    shift, gmask = dtype.exponent_shift, np.uint64(dtype.exponent_mask)
+    kbase = int(R.window_start(old, shift, gmask))
+    neg, other = np.zeros(R.TOP + 1, np.int32), np.zeros(int(gmask) + 1, np.int64)
+    kb = np.empty(R.BLOCK, np.uint8)
+    slack = 2 * R.BLOCK
+    outs = _ranked_outputs(n // 32 + slack, old.dtype)
+    k = w = 0
+    while True:
+        k, w = R.scan_ranks_blocks(old, new, w, k, shift, gmask, kbase, neg, other, kb, *outs)
+        if k > limit:
+            return None
+        if w == n:
+            break
+        room = _scan_room(k, w, n, outs[0].size, slack)
+        outs = tuple(_grown(x, k, room) for x in outs)
+    pos, ov, nv, keys, ranks = (x[:k] for x in outs)
+    return Changes(pos, ov, nv), keys, ranks
+
+
+def _ranked_outputs(size: int, words: np.dtype) -> tuple[np.ndarray, ...]:
+    return (np.empty(size, np.int64), np.empty(size, words), np.empty(size, words),
+            np.empty(size, np.uint64), np.empty(size, np.int64))
 
 
 def _scan_room(found: int, scanned: int, n: int, size: int, slack: int) -> int:
