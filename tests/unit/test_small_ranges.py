@@ -15,7 +15,7 @@ from store_golden import masked_objects
 from weighthub.codec import Segment
 from weighthub.codec.coding import ENCODE_PROFILES, EncodePolicy
 from weighthub.codec.encode import SMALL_RANGE, encode_segment_tracked
-from weighthub.codec.small import SmallRange, bulk_ready, encode_small, order0_small
+from weighthub.codec.small import SmallRange, bulk_ready, codes_in_bulk, encode_small
 from weighthub.errors import UsageError
 from weighthub.publish import Publisher
 from weighthub.receive import Receiver
@@ -25,6 +25,7 @@ from weighthub.tensors import DTYPES, DType, bits
 
 POLICIES = {
     "fast": ENCODE_PROFILES["fast"],
+    "compact": ENCODE_PROFILES["compact"],  # float ranges context-coded (ans) where smaller
     "compact-shared": replace(ENCODE_PROFILES["compact"], shared_tables=True),
     "grouped": ENCODE_PROFILES["grouped"],
     "overwrite-only": EncodePolicy(mask_ops=False, ctx=False),
@@ -70,8 +71,7 @@ def _ranges(dtype: DType, count: int, seed: int) -> list[SmallRange]:
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_bulk_coding_is_the_range_by_range_coding(dtype: DType, policy: str) -> None:
     pol = POLICIES[policy]
-    if not order0_small(pol, dtype):
-        pytest.skip(f"{policy} context-codes small {dtype.name} ranges: never coded in bulk")
+    assert codes_in_bulk(pol, dtype)
     ranges = _ranges(dtype, 40, hash((dtype.name, policy)) % 2**32)
     got = encode_small(ranges, dtype, pol)
     assert len(got) == len(ranges)
@@ -110,6 +110,26 @@ def test_the_codings_each_outcome_takes(monkeypatch: pytest.MonkeyPatch) -> None
                                                 ENCODE_PROFILES["grouped"]))
     assert handed_back == [4] and many is not None and many.count == 512
     assert few is not None and few.positions.name == "GAPS"
+
+
+def test_small_float_ranges_are_context_coded_in_bulk_where_smaller() -> None:
+    """Under `compact`, a bf16 range of trained-looking weights with a few ulp changes codes
+    `ans` in the bulk call, as range by range; the range coder's ranges are refused."""
+    bf16 = DTYPES[0]
+    rng = np.random.default_rng(9)
+    old = bits(torch.randn(4000, dtype=torch.bfloat16) * 0.02).copy()
+    new = old.copy()
+    hit = rng.random(old.size) < 0.05
+    new[hit] ^= rng.integers(1, 4, int(hit.sum())).astype(np.uint16)
+    ranges = [SmallRange(0, 3, old, new)]
+    (seg, change), = encode_small(ranges, bf16, ENCODE_PROFILES["compact"])
+    want, want_change = encode_segment_tracked(old, new, bf16, tensor=0, start=3,
+                                               policy=ENCODE_PROFILES["compact"])
+    assert seg is not None and seg.positions.name == "ANS" and _same(seg, want)
+    assert change == want_change
+    with pytest.raises(UsageError, match="range"):
+        encode_small(ranges, bf16, replace(ENCODE_PROFILES["compact"], coder="range"))
+    assert not codes_in_bulk(replace(ENCODE_PROFILES["compact"], coder="range"), bf16)
 
 
 def test_bad_ranges_are_not_taken() -> None:

@@ -5,8 +5,11 @@ over `reps` repeats so that every figure sees the same machine noise:
 
     xor             np.bitwise_xor(old, new, out=preallocated): the ceiling of any encoder
     scan            codec.changed_positions: change detection alone
-    encode_compact  encode_segment with the `compact` profile (context coding on: ans)
-    encode_fast     encode_segment with the `fast` profile (plain gaps, no ctx, no groups)
+    encode_compact  the delta coded with the `compact` profile (context coding on: ans) as the
+                    publisher codes it: the tensors of at most SMALL_RANGE elements in one
+                    codec.small.encode_small call per dtype (with their digest changes), the
+                    others one encode_segment each
+    encode_fast     the same with the `fast` profile (plain gaps, no ctx, no groups)
     ctx_encode      the context coder alone (`compact`'s: ans): codec.ctx.ctx_streams on the
                     scan's compacted changes
     ctx_decode      codec.ctx.decode_changes: the context-coded streams decoded and placed
@@ -49,6 +52,8 @@ from ..codec.apply import regap_segment
 from ..codec.coding import CONTEXT_CODINGS, ENCODE_PROFILES, EncodePolicy
 from ..codec.ctx import ctx_streams, decode_changes
 from ..codec.prepared import PreparedSegment, prepare_segment
+from ..codec.small import SmallRange, bulk_ready, codes_in_bulk, encode_small
+from ..tensors import DType
 from .throughput import Pair
 
 POSITION_BYTES = 4  # the compact stream's bytes per changed element, besides the value word
@@ -154,7 +159,7 @@ def _measure(pairs: Sequence[Pair], reps: int, compact: EncodePolicy,
                               dnew=folds[0], dold=folds[1], prepared=words)
         return work
 
-    def encoder(attr: str) -> Callable[[int], object]:
+    def encoder(attr: str) -> Callable[[int], object]:  # the context coder alone
         def work(i: int) -> None:
             t, seg = prep[i], getattr(prep[i], attr)
             assert seg is not None  # ctx_idx holds only context-coded tensors
@@ -177,10 +182,8 @@ def _measure(pairs: Sequence[Pair], reps: int, compact: EncodePolicy,
     figures: dict[str, tuple[Callable[[int], object], Sequence[int], bool]] = {
         "xor": (lambda i: np.bitwise_xor(pairs[i].old, pairs[i].new, out=scratch[i]), every, False),
         "scan": (lambda i: changed_positions(pairs[i].old, pairs[i].new), every, False),
-        "encode_compact": (lambda i: encode_segment(pairs[i].old, pairs[i].new, pairs[i].dtype,
-                                                    tensor=i, start=0, policy=compact), every, False),
-        "encode_fast": (lambda i: encode_segment(pairs[i].old, pairs[i].new, pairs[i].dtype,
-                                                 tensor=i, start=0, policy=fast), every, False),
+        "encode_compact": (_as_published(pairs, compact), every, False),
+        "encode_fast": (_as_published(pairs, fast), every, False),
         "ctx_encode": (encoder("compact"), ctx_idx, False),
         "ctx_decode": (decoder("compact", decoded), ctx_idx, False),
         "ctx_stage": (stager, ctx_idx, False),
@@ -217,6 +220,29 @@ def _measure(pairs: Sequence[Pair], reps: int, compact: EncodePolicy,
                     work(i)
                 secs[name].append(time.perf_counter() - t0)
     return _result(prep, ctx_idx, secs)
+
+
+def _as_published(pairs: Sequence[Pair], policy: EncodePolicy) -> Callable[[int], object]:
+    """The encode of tensor i as the publisher runs it (publish.stream.coded_in_bulk): a small
+    tensor that encode_small takes is coded with all those of its dtype, in one call at the
+    first of them; any other by encode_segment."""
+    bulk: dict[DType, list[int]] = {}
+    for i, p in enumerate(pairs):
+        if bulk_ready(p.old, p.new) and codes_in_bulk(policy, p.dtype):
+            bulk.setdefault(p.dtype, []).append(i)
+    first = {ids[0]: (dtype, [SmallRange(i, 0, pairs[i].old, pairs[i].new) for i in ids])
+             for dtype, ids in bulk.items()}
+    in_bulk = {i for ids in bulk.values() for i in ids}
+
+    def work(i: int) -> object:
+        if i in first:
+            dtype, ranges = first[i]
+            return encode_small(ranges, dtype, policy)
+        if i in in_bulk:
+            return None
+        return encode_segment(pairs[i].old, pairs[i].new, pairs[i].dtype, tensor=i, start=0,
+                              policy=policy)
+    return work
 
 
 def _check_exact(name: str, scratch: list[np.ndarray], pairs: Sequence[Pair]) -> None:

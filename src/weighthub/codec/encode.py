@@ -182,7 +182,7 @@ def _host_scan(old: np.ndarray, new: np.ndarray, dtype: DType, policy: EncodePol
     will be context-coded (scan.scan_ranked: 0.63-0.70x the time of the scan and the ranks
     apart, on MiniLM's tensors at 0.3-3% changed)."""
     n = new.size
-    if not (_codes_in_context(policy, dtype, n) and ranked_scan_applies(n, dtype)):
+    if not (codes_in_context(policy, dtype, n) and ranked_scan_applies(n, dtype)):
         return _host_range(old, new, dtype, scan_range(old, new, _scan_limit(n)))
     found = scan_ranked(old, new, dtype, _scan_limit(n))
     if found is None:
@@ -191,7 +191,7 @@ def _host_scan(old: np.ndarray, new: np.ndarray, dtype: DType, policy: EncodePol
     return RangeChanges(n, ch, _known_ranks(old, dtype, ch, keys, ranks), lambda: new)
 
 
-def _codes_in_context(policy: EncodePolicy, dtype: DType, n: int) -> bool:
+def codes_in_context(policy: EncodePolicy, dtype: DType, n: int) -> bool:
     """Does encode_range try a context coding for a range of n elements of `dtype`?"""
     return (policy.ctx and policy.groups and policy.mask_ops and dtype.is_float
             and (n > SMALL_RANGE or not policy.shared_tables))  # small ones share tables
@@ -253,7 +253,7 @@ def encode_range(rc: RangeChanges, dtype: DType, *, tensor: int, start: int,
     dense_est = n * dtype.width * (_DENSE_RATIO if dtype.is_float else 1.0)
     val_est, op, val_codec = _pick_values(ch, dtype, policy)
     ctx = None
-    if _codes_in_context(policy, dtype, n):
+    if codes_in_context(policy, dtype, n):
         ctx = _ctx_segment(rc, dtype, tensor, start, op, policy)
         if ctx is not None and pos.size >= _CTX_SURE:
             # on this many changes the context coder's adaptive models have learnt what order-0

@@ -3,9 +3,8 @@
 A model of thousands of small tensors (MoE experts, norms) paid ~30 µs of Python and ~10 kernel
 calls per range in `encode.encode_range`; `encode_small` codes a whole chunk's ranges of at most
 SMALL_RANGE elements in one call (`small_kernels.code_small_ranges`), with the same segments,
-bytes and digest changes. It takes the ranges that `encode_range` would code without context
-(`order0_small`); a range whose changes reach the grouped coding's minimum goes through
-`encode_range` as before.
+bytes and digest changes: order-0 codings and the `ans` context coding (`codes_in_bulk`). A
+range whose changes reach the grouped coding's minimum goes through `encode_range` as before.
 """
 
 from __future__ import annotations
@@ -17,8 +16,8 @@ import numpy as np
 from ..digest.sums import lanes_digest
 from ..errors import UsageError
 from ..tensors import DType
-from .coding import EncodePolicy, Op, Positions, Values
-from .encode import SMALL_RANGE, encode_segment_tracked, width_masks
+from .coding import CONTEXT_CODERS, EncodePolicy, Op, Positions, Values
+from .encode import SMALL_RANGE, codes_in_context, encode_segment_tracked, width_masks
 from .segment import Segment
 from .small_kernels import DENSE, FALLBACK, INVERTIBLE_SLACK, NOTHING, code_small_ranges
 
@@ -39,10 +38,11 @@ class SmallRange:
     new: np.ndarray
 
 
-def order0_small(policy: EncodePolicy, dtype: DType) -> bool:
-    """Does encode_range code a small range of `dtype` without context under `policy`?"""
-    return policy.shared_tables or not (policy.ctx and policy.groups and policy.mask_ops
-                                        and dtype.is_float)
+def codes_in_bulk(policy: EncodePolicy, dtype: DType) -> bool:
+    """Does encode_small code small ranges of `dtype` under `policy` (as encode_range would)?
+    All but those context-coded by another coder than `ans`."""
+    return (not codes_in_context(policy, dtype, SMALL_RANGE)
+            or CONTEXT_CODERS[policy.coder] == Positions.ANS)
 
 
 def bulk_ready(old: np.ndarray, new: np.ndarray) -> bool:
@@ -54,7 +54,10 @@ def bulk_ready(old: np.ndarray, new: np.ndarray) -> bool:
 def encode_small(ranges: list[SmallRange], dtype: DType, policy: EncodePolicy
                  ) -> list[tuple[Segment | None, bytes]]:
     """Each range's segment (None: nothing changed) and digest change, as encode_segment_tracked
-    gives them, for ranges that `bulk_ready` accepts of a dtype that `order0_small` codes."""
+    gives them, for ranges that `bulk_ready` accepts of a dtype that `codes_in_bulk` codes."""
+    if not codes_in_bulk(policy, dtype):
+        raise UsageError(f"encode_small: small {dtype.name} ranges are context-coded by "
+                         f"{policy.coder!r}, which only encode_range codes")
     m = len(ranges)
     if m == 0:
         return []
@@ -73,9 +76,11 @@ def encode_small(ranges: list[SmallRange], dtype: DType, policy: EncodePolicy
     out = np.empty(int(sizes.sum()) * words.itemsize + INVERTIBLE_SLACK, np.uint8)
     mask, sign_shift = width_masks(dtype)
     group_min = policy.min_group_count if policy.groups and dtype.is_float else -1
+    context = codes_in_context(policy, dtype, SMALL_RANGE)
     code_small_ranges(olds, news, sizes, starts, np.empty(0, words), mask, sign_shift,
-                      policy.mask_ops, policy.value_sample, group_min, kinds, codings, counts,
-                      lengths, lanes, out)
+                      policy.mask_ops, policy.value_sample, group_min, context,
+                      dtype.exponent_shift, np.uint64(dtype.exponent_mask), kinds, codings,
+                      counts, lengths, lanes, out)
     changes = lanes_digest(lanes.reshape(-1))
     results: list[tuple[Segment | None, bytes]] = []
     at = 0

@@ -33,7 +33,7 @@ from ..codec.encode import (
     encode_segment_tracked,
 )
 from ..codec.scan import changed_positions
-from ..codec.small import SmallRange, bulk_ready, encode_small, order0_small
+from ..codec.small import SmallRange, bulk_ready, codes_in_bulk, encode_small
 from ..digest import ZERO_DIGEST, add_digests, digest_add, digest_affine, digest_change
 from ..errors import UsageError
 from ..format import ChunkRef, chunk_checksum, encode_chunk
@@ -207,7 +207,7 @@ def coded_in_bulk(pieces: list[Piece], shards: dict[int, Shard], base: Baseline 
     for j, piece in enumerate(pieces):
         shard = shards[piece.tensor]
         if (piece.hi - piece.lo > SMALL_RANGE or piece.tensor in boxed
-                or isinstance(shard.new, torch.Tensor) or not order0_small(policy, shard.spec.dtype)):
+                or isinstance(shard.new, torch.Tensor) or not codes_in_bulk(policy, shard.spec.dtype)):
             continue
         runs, old = piece.runs(), base.bits[shard.spec.name]
         if len(runs) != 1 or not isinstance(old, np.ndarray):
