@@ -27,7 +27,7 @@ def test_the_list_of_kernel_modules_is_whole() -> None:
 def test_every_kernel_is_stamped_with_the_digest_of_all_kernel_sources() -> None:
     assert kernel_cache.INSTALLED
     stamp = sources_stamp()
-    for kernel in (kernels.scan_changes, ans_kernels.ans_decode_ranks, digest_kernels.sum_run):
+    for kernel in (kernels.scan_blocks, ans_kernels.ans_decode_ranks, digest_kernels.sum_run):
         locator = kernel._cache._impl._locator
         assert type(locator).__name__.startswith("WeighthubStamped")
         assert locator.get_source_stamp() == stamp

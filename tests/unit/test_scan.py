@@ -1,8 +1,9 @@
 """The host change scan against numpy: every changed element, its old and new word, in order.
 
-`scan_changes` compares 8 bytes at a time (1 to 8 elements a word) on the word-aligned middle,
-`scan_tail` the unaligned head and tail element by element, and the outputs grow when more
-than 1/32 of the elements changed; each of those paths is exercised here, bit for bit.
+`scan_blocks` compares 64 elements at a time (any word width, any alignment), `scan_tail` the
+elements after the last whole block and short ranges element by element, and the outputs grow
+when more than 1/32 of the elements changed; each of those paths is exercised here, bit for
+bit.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from numba.extending import intrinsic
 from ..digest.mix import K0, K1, fold, fold_weyl
 from ..kernel_cache import njit
 from .coding import Op, Values
+from .place_vectors import BLOCK, change_mask
 
 # Status codes returned by the decode kernels (negative = refused, nothing past that point done).
 STREAM_OVERRUN = -1  # a varint or value ran past the end of its stream
@@ -43,10 +44,9 @@ OP_SUB = 16
 
 VAL_RAW, VAL_VARINT, VAL_ZIGZAG = int(Values.RAW), int(Values.VARINT), int(Values.ZIGZAG)
 
-# Words examined per chunk by scan_changes: the chunk's words and nonzero-word list stay in L1
-# for the second phase (2 x 4 KiB of words; at 2048 words, 2 x 16 KiB, the scan took 1.25-1.4x
-# as long at 1-3% changed, on 135M random bf16 words).
-SCAN_CHUNK = 512
+# Blocks of BLOCK elements per chunk of scan_blocks: a chunk's words stay in L1 for its second
+# phase (2 x 4 KiB of bf16 words, as the word-wide scan before it found best).
+SCAN_CHUNK = 32
 
 _U1 = np.uint64(1)
 _U7F = np.uint64(0x7F)
@@ -120,70 +120,50 @@ def prefetch(typingctx, arr, index):
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def scan_changes(a64, b64, lanes, lane_bits, base, wbuf, out_pos, out_old, out_new):
-    """Changed elements of two arrays compared 8 bytes at a time.
+def scan_blocks(old, new, b, k, out_pos, out_old, out_new, where, masks):
+    """The changed elements of old → new (arrays of one word type) from element b (a multiple
+    of BLOCK) on, written from slot k: each one's position, old and new word. Returns (k, b)
+    where it stopped: after the last whole block, or where the outputs might not hold one more
+    chunk's changes (the caller grows them and calls again). where/masks: SCAN_CHUNK slots.
 
-    a64/b64 are uint64 views of the two bit arrays; each word holds `lanes` elements of
-    `lane_bits` bits, the first at element `base`. For every changed element, writes its
-    position, old and new word to out_pos/out_old/out_new, from slot 0. Returns (elements
-    written, words done): it stops early, at a chunk boundary, when the outputs might not hold
-    one more chunk, so the caller can grow them and go on with the remaining slices. Both
-    counts start at a known zero, which lets LLVM drop the negative-index handling numba adds
-    to every access through a signed index it cannot bound: 0.82-0.86x the time of the same
-    kernel taking its start word and slot as arguments, side by side on 135M random bf16 words
-    at 1% and 3% changed (one core, ABBA; identical outputs).
-
-    Two phases per chunk of SCAN_CHUNK words: a branch-free pass lists the nonzero words (a
-    branch per word mispredicts on every change and stalls the memory stream), then each listed
-    word writes only its lanes that differ: one add and mask mark them (the top bit of every
-    lane that is nonzero), and a loop takes the marks lowest first, each lane's index from the
-    count of trailing zeros (comparing the mark with every lane's top bit took 1.16-1.19x the
-    time of the whole scan). Most listed words hold one changed lane, so that loop's exit is
-    predictable, and a change costs 3 stores where writing every lane branch-free cost 3 per
-    lane. Measured side by side (ABBA, one core, SmolLM2-135M's 270 MB of bf16): the whole
-    scan 0.73-0.81x the time at 2.4% of words changed, 0.72x at 6% and 15%, 1.1x at 30% (far
-    above an RL step's 0.3-3%). With the trailing-zero count and 512-word chunks (before: 2048),
-    0.72-0.74x again at 2% and 3% (135M random bf16 words, alternated in two processes).
+    Two phases per chunk of SCAN_CHUNK blocks: a branch-free pass lists the blocks holding a
+    change with their lanes (one vector compare a block: `place_vectors.change_mask`; a branch
+    per block would mispredict at 1% changed, where half the blocks hold one), then each listed
+    block writes its changes, lowest lane first (most hold one: the loop's exit is
+    predictable). Against the word-wide scan that came before (8 bytes compared at a time, each
+    nonzero word listed), on MiniLM's 39 tensors of more than 4096 words at 0.3 / 1 / 3 / 20%
+    changed, one thread, best of 9: 0.72 / 0.78 / 0.71 / 0.66x its time.
     """
-    nw = a64.shape[0]
-    cap = out_pos.shape[0]
-    lane_mask = (_U1 << np.uint64(lane_bits)) - _U1 if lane_bits < 64 else ~_ZERO
-    low_bits = _ZERO  # every lane's bits below its top bit
-    top_bits = _ZERO  # every lane's top bit
-    for j in range(lanes):
-        low_bits |= (lane_mask >> _U1) << np.uint64(j * lane_bits)
-        top_bits |= (_U1 << np.uint64(lane_bits - 1)) << np.uint64(j * lane_bits)
-    lane_shift = 0  # lane_bits = 2^lane_shift
-    while (1 << lane_shift) < lane_bits:
-        lane_shift += 1
-    k = 0
-    w = 0
-    while w < nw and k + SCAN_CHUNK * lanes <= cap:  # wbuf holds SCAN_CHUNK
-        hi = min(nw, w + SCAN_CHUNK)
-        m = 0
-        for i in range(w, hi):
-            wbuf[m] = i
-            m += (a64[i] ^ b64[i]) != _ZERO
-        for q in range(m):
-            i = wbuf[q]
-            a = a64[i]
-            b = b64[i]
-            x = a ^ b
-            # a lane's top bit marks it when any of its bits differ (no carry crosses lanes)
-            marks = (((x & low_bits) + low_bits) | x) & top_bits
-            first = base + i * lanes
-            while True:  # a listed word marks at least one lane
-                j = trailing_zeros(marks) >> lane_shift  # the lowest marked lane
-                sh = np.uint64(j << lane_shift)
-                out_pos[k] = first + j
-                out_old[k] = (a >> sh) & lane_mask
-                out_new[k] = (b >> sh) & lane_mask
-                k += 1
-                marks &= marks - _U1
-                if marks == _ZERO:
+    n = old.shape[0]
+    full = np.uint64(n - n % BLOCK)
+    chunk = np.uint64(SCAN_CHUNK * BLOCK)
+    cap = np.uint64(out_pos.shape[0])
+    j = np.uint64(k)
+    w = np.uint64(b)
+    while w < full and j + chunk <= cap:
+        hi = min(full, w + chunk)
+        found = _ZERO
+        x = w
+        while x < hi:
+            m = change_mask(old, new, x)
+            where[found] = x
+            masks[found] = m
+            found += np.uint64(m != _ZERO)
+            x += np.uint64(BLOCK)
+        for q in range(found):
+            x = where[q]
+            m = masks[q]
+            while True:  # a listed block holds at least one change
+                p = x + np.uint64(trailing_zeros(m))
+                out_pos[j] = p
+                out_old[j] = old[p]
+                out_new[j] = new[p]
+                j += _U1
+                m &= m - _U1
+                if m == _ZERO:
                     break
         w = hi
-    return k, w
+    return np.int64(j), np.int64(w)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -233,7 +213,8 @@ def bitmap_positions(bitmap, out):
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def scan_tail(a, b, lo, hi, out_pos, out_old, out_new, k):
-    """Element-wise scan_changes for [lo, hi) (unaligned ends). Caller guarantees capacity."""
+    """Element-wise scan_blocks for [lo, hi) (the last partial block, short ranges). Caller
+    guarantees capacity."""
     for i in range(lo, hi):
         if a[i] != b[i]:
             out_pos[k] = i

@@ -16,8 +16,8 @@ from ..tensors import DType, readonly
 from . import kernels as K
 from . import ranks as R
 
-# Ranges this short are scanned element by element (~1 ns an element, against ~8 µs of set-up
-# for the word-wide scan).
+# Ranges this short are scanned element by element: 3.7 µs at 4096 bf16 elements, against 5.7
+# for the block scan with its set-up (its outputs sized for a chunk).
 _ELEMENTWISE_SCAN = 4096
 
 
@@ -40,38 +40,25 @@ def scan_range(old: np.ndarray, new: np.ndarray, limit: int) -> Changes | None:
     """Every changed element of two equal-length bit arrays, or None if more than `limit`."""
     old, new = _words(old, new)
     n = old.shape[0]
-    if n <= _ELEMENTWISE_SCAN:  # norms, biases: the set-up of the word-wide scan costs more
+    if n <= _ELEMENTWISE_SCAN:  # norms, biases: the set-up of the block scan costs more
         pos, ov, nv = np.empty(n, np.int64), np.empty(n, old.dtype), np.empty(n, old.dtype)
         k = K.scan_tail(old, new, 0, n, pos, ov, nv, 0)
         return None if k > limit else Changes(pos[:k], ov[:k], nv[:k])
-    width = old.itemsize
-    lanes = 8 // width
-    if (old.ctypes.data - new.ctypes.data) % 8 or old.ctypes.data % width:
-        # no common word alignment (rare: slices of differently placed buffers); a copy of
-        # both is cheaper than an element-wise scan
-        old, new = readonly(old.copy()), readonly(new.copy())
-    head = min(n, (-old.ctypes.data % 8) // width)  # elements before the first word boundary
-    words = (n - head) // lanes
-    stop = head + words * lanes
-    slack = K.SCAN_CHUNK * lanes + lanes
+    full = n - n % K.BLOCK
+    slack = K.SCAN_CHUNK * K.BLOCK + K.BLOCK
     cap = n // 32 + slack  # ~3% changed fits without growing
     pos, ov, nv = np.empty(cap, np.int64), np.empty(cap, old.dtype), np.empty(cap, old.dtype)
-    k = K.scan_tail(old, new, 0, head, pos, ov, nv, 0)
-    a64, b64 = old[head:stop].view(np.uint64), new[head:stop].view(np.uint64)
-    wbuf = np.empty(K.SCAN_CHUNK, np.int64)
-    w = 0
+    where, masks = np.empty(K.SCAN_CHUNK, np.uint64), np.empty(K.SCAN_CHUNK, np.uint64)
+    k = w = 0
     while True:
-        # from word w and slot k on: the kernel counts from zero on the slices it gets
-        dk, dw = K.scan_changes(a64[w:], b64[w:], lanes, 8 * width, head + w * lanes, wbuf,
-                                pos[k:], ov[k:], nv[k:])
-        k, w = k + dk, w + dw
+        k, w = K.scan_blocks(old, new, w, k, pos, ov, nv, where, masks)
         if k > limit:
             return None
-        if w == words and pos.size - k >= n - stop:
+        if w == full and pos.size - k >= n - full:
             break
-        room = _scan_room(k, head + w * lanes, n, pos.size, slack)
+        room = _scan_room(k, w, n, pos.size, slack)
         pos, ov, nv = (_grown(x, k, room) for x in (pos, ov, nv))
-    k = K.scan_tail(old, new, stop, n, pos, ov, nv, k)
+    k = K.scan_tail(old, new, full, n, pos, ov, nv, k)
     if k > limit:
         return None
     return Changes(pos[:k], ov[:k], nv[:k])
