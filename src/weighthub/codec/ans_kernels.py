@@ -295,19 +295,31 @@ def ans_decode_ranks(n, size, vbits, pos_buf, val_buf, count, gkey, gstart, rank
     if gstart[ngroups] != count:
         return BAD_CODE
 
+    # both streams at once, change by change (positions in states xa/xb, values in ya/yb):
+    # two independent chains of dependent steps, each filling the other's waits
+    ya, yb, j, vwords, status = dec_init(val_buf)
+    if status < 0:
+        return status
     qcum, qcnt = models(1, Q_ALPHABET)
+    ha = head_alphabet(vbits)
+    hcum, hcnt = models(1, ha)
+    ccum, ccnt = models(chunk_contexts(vbits), CHUNK_ALPHABET)
     for grp in range(ngroups):
         k = gk[grp]
         r = np.int64(-1)
         model_enter(qcum, qcnt, 0, Q_ALPHABET, grp)  # every group codes at least one change
+        model_enter(hcum, hcnt, 0, ha, grp)
         first = gstart[grp]
-        due = first  # the change whose count rebuilds the table (a count in a local: next_rebuild)
+        due = first  # the change whose counts rebuild the tables (next_rebuild)
         for t in range(first, gstart[grp + 1]):
             q, xa, xb, i = dec_symbol(xa, xb, i, pos_buf, qcum, 0)
+            h, ya, yb, j = dec_symbol(ya, yb, j, val_buf, hcum, 0)
             qcnt[0, q] += WEIGHT
+            hcnt[0, h] += WEIGHT
             if t == due:
                 due = first + next_rebuild(t - first + 1) - 1
                 model_rebuild(qcum, qcnt, 0, Q_ALPHABET)
+                model_rebuild(hcum, hcnt, 0, ha)
             if q == Q_ALPHABET - 1:
                 esc, xa, xb, i = _get_int(xa, xb, i, pos_buf, icum, icnt, SLOT_ESCAPE)
                 if esc >= np.uint64(n):
@@ -322,26 +334,6 @@ def ans_decode_ranks(n, size, vbits, pos_buf, val_buf, count, gkey, gstart, rank
             if r >= n:
                 return POSITION_OUT_OF_RANGE
             ranks[np.uint64(t)] = r  # unsigned: see codec.ans (Indices)
-    status = dec_finish(xa, xb, i, words)
-    if status < 0:
-        return status
-
-    xa, xb, i, words, status = dec_init(val_buf)
-    if status < 0:
-        return status
-    ha = head_alphabet(vbits)
-    hcum, hcnt = models(1, ha)
-    ccum, ccnt = models(chunk_contexts(vbits), CHUNK_ALPHABET)
-    for grp in range(ngroups):
-        model_enter(hcum, hcnt, 0, ha, grp)  # every group codes at least one change
-        first = gstart[grp]
-        due = first  # the change whose count rebuilds the table (a count in a local: next_rebuild)
-        for t in range(first, gstart[grp + 1]):
-            h, xa, xb, i = dec_symbol(xa, xb, i, val_buf, hcum, 0)
-            hcnt[0, h] += WEIGHT
-            if t == due:
-                due = first + next_rebuild(t - first + 1) - 1
-                model_rebuild(hcum, hcnt, 0, ha)
             z = np.uint64(h)
             if h >= SMALL:
                 nb = h - SMALL + SMALL_BITS + 1
@@ -349,7 +341,7 @@ def ans_decode_ranks(n, size, vbits, pos_buf, val_buf, count, gkey, gstart, rank
                 rest = nb - 1 - t1
                 if ccnt[nb, CHUNK_ALPHABET + 2] != grp:
                     model_enter(ccum, ccnt, nb, CHUNK_ALPHABET, grp)
-                c1, xa, xb, i = dec_symbol(xa, xb, i, val_buf, ccum, nb)
+                c1, ya, yb, j = dec_symbol(ya, yb, j, val_buf, ccum, nb)
                 if observe(ccnt, nb, CHUNK_ALPHABET, c1):
                     model_rebuild(ccum, ccnt, nb, CHUNK_ALPHABET)
                 if c1 >> t1:
@@ -361,17 +353,20 @@ def ans_decode_ranks(n, size, vbits, pos_buf, val_buf, count, gkey, gstart, rank
                     row = vbits + 1 + nb * CHUNK_ALPHABET + c1
                     if ccnt[row, CHUNK_ALPHABET + 2] != grp:
                         model_enter(ccum, ccnt, row, CHUNK_ALPHABET, grp)
-                    c2, xa, xb, i = dec_symbol(xa, xb, i, val_buf, ccum, row)
+                    c2, ya, yb, j = dec_symbol(ya, yb, j, val_buf, ccum, row)
                     if observe(ccnt, row, CHUNK_ALPHABET, c2):
                         model_rebuild(ccum, ccnt, row, CHUNK_ALPHABET)
                     if c2 >> t2:
                         return BAD_CODE
-                    low, xa, xb, i = get_raw(xa, xb, i, val_buf, rest)
+                    low, ya, yb, j = get_raw(ya, yb, j, val_buf, rest)
                     z |= (np.uint64(c2) << np.uint64(rest)) | low
-            if i > words:
+            if j > vwords:
                 return STREAM_OVERRUN
             zs[np.uint64(t)] = z
     status = dec_finish(xa, xb, i, words)
+    if status < 0:
+        return status
+    status = dec_finish(ya, yb, j, vwords)
     if status < 0:
         return status
     return ngroups
