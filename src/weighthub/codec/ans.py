@@ -267,7 +267,7 @@ def code_ops(ops, n, out):
     """Code ops[:n] (listed in decoding order) backwards into `out` (uint8, at least
     HEAD_BYTES + 2n bytes), op j with state j mod 2. Returns the stream's length; the stream is
     out[:length]. The loop takes the ops in pairs so that the two states' dependency chains
-    (a division each) run side by side."""
+    (a reciprocal multiply each) run side by side."""
     words = np.empty(n, np.uint16)
     g = n
     x0 = np.int64(STATE_LOW)

@@ -17,8 +17,9 @@ them, for the CPU it compiles for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES, else thi
                             and 2, where pdep is microcode)
                  "search"   a binary search by popcounts, without branches
 
-The encoder's fused scan also takes a block's changed lanes at once (`change_mask`: a compare
-of the two blocks, which LLVM lowers for any CPU).
+The encoder's change scans (`kernels.scan_blocks`, and the one fused with the ranks) take a
+block's changed lanes at once (`change_mask`: a compare of the two blocks, which LLVM lowers
+for any CPU).
 
 `lowering()` says which ones this process compiles. Both place the same changes; the tests
 run the generic ones too, compiled for an x86-64-v2 CPU in a subprocess.

@@ -47,6 +47,21 @@ def ranks_of_changes(old, pos, count, shift, gmask, keys, ranks):
     return group_ranks(old, pos, count, shift, gmask, keys, ranks)
 
 
+@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _count_block(old, b, shift, gmask, kbase, neg, other, kb):
+    """Count the block of BLOCK words from b: kb[:] = their keys, the window's counts into neg
+    (less), the other keys' word by word into other."""
+    flags = np.uint64(window_counts(old, b, shift, gmask, kbase, neg, kb, _NO_SLOT, 0))
+    if flags >> np.uint64(TOP):  # words outside the window
+        inside = _ZERO
+        for q in range(TOP):
+            inside |= key_mask(kb, kbase + q)
+        outside = ~inside
+        while outside != _ZERO:
+            other[kb[trailing_zeros(outside)]] += 1
+            outside &= outside - _U1
+
+
 @njit(cache=True, nogil=True, boundscheck=False)
 def group_ranks_blocks(old, pos, count, shift, gmask, keys, ranks):
     """For each changed position (strictly increasing, < len(old)): its key and rank, counted
@@ -70,15 +85,7 @@ def group_ranks_blocks(old, pos, count, shift, gmask, keys, ranks):
             return t
         last = p
         while b <= min(p, full - 1):
-            flags = np.uint64(window_counts(old, b, shift, gmask, kbase, neg, kb, _NO_SLOT, 0))
-            if flags >> np.uint64(TOP):  # words outside the window
-                inside = _ZERO
-                for q in range(TOP):
-                    inside |= key_mask(kb, kbase + q)
-                outside = ~inside
-                while outside != _ZERO:
-                    other[kb[trailing_zeros(outside)]] += 1
-                    outside &= outside - _U1
+            _count_block(old, b, shift, gmask, kbase, neg, other, kb)
             b += BLOCK
             if b == full:  # the window's counts join the others' for the tail
                 for q in range(TOP):
@@ -127,8 +134,9 @@ def scan_ranks_blocks(old, new, b, k, shift, gmask, kbase, neg, other, kb, pos, 
     calls again). Keys of at most 8 bits, at least TOP of them (blocks_apply).
 
     Side by side with scan.scan_range and then group_ranks_blocks, on MiniLM's 39 tensors of
-    more than 4096 words at 0.3 / 1 / 3% changed (one thread, best of 9, two runs): 0.68-0.70 /
-    0.63-0.67 / 0.65-0.70x their time; the scan alone takes 0.75-0.80x the fused pass's."""
+    more than 4096 words at 0.3 / 1 / 3% changed (one thread, best of 9): 0.68-0.70 /
+    0.63-0.67 / 0.65-0.70x their time (two runs), and 0.71 / 0.67 / 0.72x once scan_range
+    scanned in blocks too (kernels.scan_blocks)."""
     n = old.shape[0]
     full = n - n % BLOCK
     cap = pos.shape[0]
@@ -136,15 +144,7 @@ def scan_ranks_blocks(old, new, b, k, shift, gmask, kbase, neg, other, kb, pos, 
     j = np.uint64(k)
     w = np.uint64(b)
     while w < np.uint64(full) and j + np.uint64(BLOCK) <= np.uint64(cap):
-        flags = np.uint64(window_counts(old, w, shift, gmask, kbase, neg, kb, _NO_SLOT, 0))
-        if flags >> np.uint64(TOP):  # words outside the window, word by word
-            inside = _ZERO
-            for q in range(TOP):
-                inside |= key_mask(kb, kbase + q)
-            outside = ~inside
-            while outside != _ZERO:
-                other[kb[trailing_zeros(outside)]] += 1
-                outside &= outside - _U1
+        _count_block(old, w, shift, gmask, kbase, neg, other, kb)
         m = change_mask(old, new, w)
         # the first change is written whether or not there is one (lane 63 stands for none,
         # and is not counted): whether a block holds a change is as good as random at 1%
