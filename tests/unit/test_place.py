@@ -27,7 +27,7 @@ from weighthub.codec.coding import CONTEXT_CODINGS, ENCODE_PROFILES
 from weighthub.codec.ctx import decode_changes, group_ranks
 from weighthub.codec.kernels import POSITION_OUT_OF_RANGE
 from weighthub.codec.kernels import group_ranks as word_ranks
-from weighthub.codec.place import BLOCK, BLOCKS_FROM, _place, _place_blocks, ctx_place
+from weighthub.codec.place import BLOCK, BLOCKS_FROM, SPARSE_BLOCKS, _place, _place_blocks, ctx_place
 from weighthub.codec.ranks import group_ranks_blocks, ranks_of_changes
 from weighthub.codec.scan import ranked_scan_applies, scan_range, scan_ranked
 from weighthub.tensors import DTYPE_BY_NAME, DType
@@ -55,12 +55,14 @@ def _case(name: str, n: int, rate: float, wide: bool) -> tuple[DType, np.ndarray
 
 
 # word types (every key width the blocks take), range lengths around the block and the
-# sample, change rates (and keys over the whole format: many outside the window)
+# sample, change rates (and keys over the whole format: many outside the window); 0.05%: the
+# placement's sparse loop (place.SPARSE_BLOCKS), with and without keys outside the window
 _CASES = pytest.mark.parametrize(
     "name,n,rate,wide",
     [(name, n, rate, wide) for name in ("BF16", "F16", "F32", "F8_E4M3", "F8_E5M2")
      for n in (BLOCKS_FROM, BLOCKS_FROM + 1, BLOCKS_FROM + 4 * BLOCK - 1, 70_001)
-     for rate, wide in ((0.003, False), (0.05, False), (0.3, True))])
+     for rate, wide in ((0.0005, False), (0.0005, True), (0.003, False), (0.05, False),
+                        (0.3, True))])
 
 
 def _placed(old: np.ndarray, dtype: DType, changed: np.ndarray):
@@ -171,11 +173,14 @@ def test_blocks_decline_keys_fewer_than_the_window() -> None:
 
 
 @pytest.mark.parametrize("tail", [1, BLOCK - 1])
-def test_a_count_restart_pending_at_the_last_block_carries_into_the_tail(tail: int) -> None:
+@pytest.mark.parametrize("blocks", [BLOCKS_FROM, 8 * BLOCKS_FROM])  # the latter: sparse
+def test_a_count_restart_pending_at_the_last_block_carries_into_the_tail(tail: int,
+                                                                         blocks: int) -> None:
     """The last whole block's one change hands its key's restart to the next block, and there
     is none: the tail, word by word, must start from it."""
     dtype = DTYPE_BY_NAME["BF16"]
-    n = BLOCKS_FROM + tail
+    n = blocks + tail
+    assert (n - n % BLOCK > 3 * BLOCK * SPARSE_BLOCKS) == (blocks > BLOCKS_FROM)  # sparse?
     old = np.full(n, 0x3C00, np.uint16)
     full = n - n % BLOCK
     changed = np.array([5, full - 1, n - 1], np.int64)  # one key: simple blocks, then the tail
@@ -340,12 +345,13 @@ def _checks(cpu: str) -> dict[str, str]:
     got = place_vectors.lowering()
     assert got == _CPUS[cpu][1], got
     for n, (rate, wide) in itertools.product(
-            [BLOCKS_FROM, BLOCKS_FROM + 1, 70_001], [(0.003, False), (0.05, False), (0.3, True)]):
+            [BLOCKS_FROM, BLOCKS_FROM + 1, 70_001],
+            [(0.0005, True), (0.003, False), (0.05, False), (0.3, True)]):
         test_blocks_place_what_the_word_by_word_count_places("BF16", n, rate, wide)
     for place in (_place, _place_blocks, None):
         test_ranks_past_their_keys_elements_are_refused(place)
-    for tail in (1, BLOCK - 1):
-        test_a_count_restart_pending_at_the_last_block_carries_into_the_tail(tail)
+    for tail, blocks in itertools.product((1, BLOCK - 1), (BLOCKS_FROM, 8 * BLOCKS_FROM)):
+        test_a_count_restart_pending_at_the_last_block_carries_into_the_tail(tail, blocks)
     test_ranks_for_every_key_past_the_few_present_are_refused()
     for n, (rate, wide) in itertools.product(
             [BLOCKS_FROM, 70_001], [(0.003, False), (0.3, True)]):

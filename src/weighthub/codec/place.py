@@ -1,4 +1,5 @@
-"""Placing decoded changes against the old words (the last step of a context-coded decode).
+"""Placing decoded changes against the old words (the last step of a context-coded decode, and
+of re-coding grouped positions as gaps: `apply.regap_segment`).
 
 A context-coded segment (`ctx`, `ans`) codes each change as its rank among the range's elements
 of the same old exponent (its key). The decoders give those ranks group-major; placing them is
@@ -34,6 +35,12 @@ BLOCKS_FROM = 8 * BLOCK  # ranges shorter than this are placed word by word
 # int64 lanes), where "no change ahead" (_BIG) less all a range counts stays above _BIG / 2
 BLOCKS_UPTO = 1 << 28
 _BIG = np.int64(1) << np.int64(30)
+# Ranges with fewer changes than one per SPARSE_BLOCKS blocks (below 0.26% changed) pass over
+# blocks without a change in a loop of their own: a branch, predicted right most of the time,
+# instead of the branch-free work of a block's one change. Side by side on MiniLM's tensors at
+# 0.05 / 0.1 / 0.2 / 0.25% changed: 0.68 / 0.77 / 0.89-0.91 / 0.96-0.98x the time; at 0.3%,
+# where it stays off, 1.02x, and 1.00-1.02x at 1% (the loop's code alone).
+SPARSE_BLOCKS = 6
 
 _U1 = np.uint64(1)
 _ZERO = np.uint64(0)
@@ -139,7 +146,8 @@ def _place_blocks(base, shift, gmask, gkey, gstart, ngroups, ranks, zs, out_pos,
     block word by word. Returns the changes placed, or -1 for keys too few for a window (the
     caller then places word by word).
 
-    A block with no change, or one change, takes no branch on the data: the first key due is
+    A block with no change, or one change, takes no branch on the data (but where changes are
+    sparse, see SPARSE_BLOCKS, blocks without one are passed over): the first key due is
     placed whether or not there is one (slot TOP, a spare that is never due, stands for none),
     and its count's restart is handed to the next block's window_counts rather than stored (a
     scalar store that the next block's vector load could not forward). Blocks with more
@@ -173,8 +181,14 @@ def _place_blocks(base, shift, gmask, gkey, gstart, ngroups, ranks, zs, out_pos,
     full = n - n % BLOCK
     b0 = 0
     qp, addp = np.uint64(TOP), np.int64(0)  # the restart handed on: slot, increment
+    sparse = count * BLOCK * SPARSE_BLOCKS < full  # see SPARSE_BLOCKS
     while b0 < full and t < np.uint64(count):
         flags = np.uint64(window_counts(base, b0, shift, gmask, kbase, tleft, kb, qp, addp))
+        if sparse:
+            while flags == _ZERO and b0 + BLOCK < full:
+                b0 += BLOCK
+                flags = np.uint64(window_counts(base, b0, shift, gmask, kbase, tleft, kb,
+                                                np.uint64(TOP), np.int64(0)))
         due = flags & _DUE
         q = trailing_zeros(due | _NONE)
         m = key_mask(kb, tkey[q])
