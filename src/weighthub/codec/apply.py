@@ -19,6 +19,7 @@ from . import kernels as K
 from .coding import CONTEXT_CODINGS, Op, Positions, check_coding
 from .ctx import decode_ctx
 from .encode import encode_gaps, width_masks
+from .place import ctx_place
 from .prepared import PreparedSegment, apply_prepared
 from .segment import Segment, UndoEntry, UndoLog, bitmap_positions, check_sparse, check_status
 
@@ -90,11 +91,22 @@ def regap_segment(seg: Segment, base: np.ndarray, dtype: DType, where: str) -> S
         return seg
     check_sparse(seg, dtype, base, where)
     keys, counts, offset = group_table(seg, dtype, where)
-    pos = np.empty(seg.count, np.int64)
-    status = K.decode_group_positions(readonly(base), dtype.exponent_shift,
-                                      np.uint64(dtype.exponent_mask), keys, counts,
-                                      readonly(seg.pos_bytes[offset:]), seg.count, pos)
-    check_status(status, where)
+    count = seg.count
+    if count > seg.pos_bytes.size - offset:  # a varint (≥ 1 byte) per change
+        raise FormatError(f"{where}: {count} grouped positions in {seg.pos_bytes.size - offset} "
+                          "bytes of rank gaps")
+    ranks = np.empty(count, np.int64)
+    check_status(K.group_gap_ranks(readonly(seg.pos_bytes[offset:]), counts, seg.numel, ranks),
+                 where)
+    # placed as the context codings' ranks are (place.ctx_place, 64 words at a time): the
+    # whole re-coding took 0.47-0.56x the time of the word-by-word pass before it, on MiniLM
+    # steps at lr 1e-6 and 3e-6 (0.7-4.8% changed). The values placed with them go unused
+    starts = np.zeros(keys.size + 1, np.int64)
+    np.cumsum(counts, out=starts[1:])
+    pos = np.empty(count, np.int64)
+    check_status(ctx_place(readonly(base), dtype.exponent_shift, np.uint64(dtype.exponent_mask),
+                           keys, starts, keys.size, ranks, np.zeros(count, np.uint64), pos,
+                           np.empty(count, np.uint64)), where)
     return replace(seg, positions=Positions.GAPS, pos_bytes=encode_gaps(pos))
 
 

@@ -7,7 +7,7 @@ there and only the compact streams cross to the host:
 
     scan         ~ scan.scan_range             changed positions with their old and new words
     group_ranks  ~ kernels.group_ranks         (old exponent, rank within it) per change
-    place_ranks  ~ the last pass of place.ctx_place / kernels.decode_group_positions
+    place_ranks  ~ the last pass of place.ctx_place (both codings')
     combine      ~ kernels._combine            new words from old words and decoded values
     apply_sparse ~ kernels.apply_positions     in place, returning the undo record
     restore      ~ kernels.restore

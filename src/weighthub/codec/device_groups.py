@@ -1,6 +1,6 @@
 """Exponent-group ranks on a device, and their inverse (the context of `groups` and `ctx`
 positions, format/spec.md §2), in plain torch ops: exactly kernels.group_ranks and the placement
-pass of place.ctx_place / kernels.decode_group_positions, for words wherever they live.
+pass of place.ctx_place (both codings'), for words wherever they live.
 """
 
 from __future__ import annotations

@@ -759,38 +759,33 @@ def apply_group_stream(dst, shift, gmask, gkeys, gcounts, gaps, op, codec, vals,
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def decode_group_positions(src, shift, gmask, gkeys, gcounts, gaps, count, out):
-    """Positions of an exponent-grouped segment, read against the base bits `src` (not changed).
-
-    The same scan as apply_group_stream without touching values: receivers run it while
-    staging, before the pause, and re-code the positions as plain gaps so the pause runs the
-    fast gap kernel. Returns the number of positions written (== count) or a negative status.
-    """
-    n = src.shape[0]
+def group_gap_ranks(gaps, gcounts, n, ranks):
+    """The ranks of an exponent-grouped segment's changes within their groups, group-major:
+    group g's rank gaps (varints, each the elements of its key skipped since its previous
+    change) as ranks, into ranks[] (int64, each group's strictly increasing), ready for
+    place.ctx_place to read against the base words. Every varint is validated first, in
+    stream order (as _group_cursors). Returns the count of ranks or a negative status:
+    a rank at or past n (no range of n elements holds it) is POSITION_OUT_OF_RANGE."""
     gend = gaps.shape[0]
-    status, skip, left, gpos = _group_cursors(n, gmask, gkeys, gcounts, gaps)
-    if status < 0:
-        return status
-    sh = np.uint64(shift)
+    i = 0
+    for g in range(gcounts.shape[0]):
+        for _ in range(gcounts[g]):
+            _, i = _read_varint(gaps, i, gend)
+            if i < 0:
+                return i
+    if i != gend:
+        return TRAILING_BYTES
+    i = 0
     t = 0
-    for p in range(n):
-        e = (np.uint64(src[p]) >> sh) & gmask
-        s = skip[e]
-        if s != 0:
-            skip[e] = s - 1
-            continue
-        if t >= count:
-            return POSITION_OUT_OF_RANGE
-        out[t] = p
-        t += 1
-        left[e] -= 1
-        if left[e] > 0:
-            v, gpos[e] = _read_varint(gaps, gpos[e], gend)
-            skip[e] = np.int64(v) if v < np.uint64(n) else _NEVER
-        else:
-            skip[e] = _NEVER
-    if t != count:
-        return POSITION_OUT_OF_RANGE
+    for g in range(gcounts.shape[0]):
+        r = np.int64(-1)
+        for _ in range(gcounts[g]):
+            v, i = _read_varint(gaps, i, gend)
+            if v >= np.uint64(n - 1 - r):  # r + 1 + v must stay below n (r >= -1: no wrap)
+                return POSITION_OUT_OF_RANGE
+            r += 1 + np.int64(v)
+            ranks[t] = r
+            t += 1
     return t
 
 
