@@ -99,7 +99,7 @@ def regap_segment(seg: Segment, base: np.ndarray, dtype: DType, where: str) -> S
     check_status(K.group_gap_ranks(readonly(seg.pos_bytes[offset:]), counts, seg.numel, ranks),
                  where)
     # placed as the context codings' ranks are (place.ctx_place, 64 words at a time): the
-    # whole re-coding took 0.47-0.56x the time of the word-by-word pass before it, on MiniLM
+    # whole re-coding took 0.45-0.59x the time of the word-by-word pass before it, on MiniLM
     # steps at lr 1e-6 and 3e-6 (0.7-4.8% changed). The values placed with them go unused
     starts = np.zeros(keys.size + 1, np.int64)
     np.cumsum(counts, out=starts[1:])
