@@ -96,8 +96,8 @@ def regap_segment(seg: Segment, base: np.ndarray, dtype: DType, where: str) -> S
         raise FormatError(f"{where}: {count} grouped positions in {seg.pos_bytes.size - offset} "
                           "bytes of rank gaps")
     ranks = np.empty(count, np.int64)
-    check_status(K.group_gap_ranks(readonly(seg.pos_bytes[offset:]), counts, seg.numel, ranks),
-                 where)
+    check_status(K.decode_group_ranks(counts, readonly(seg.pos_bytes[offset:]), count, seg.numel,
+                                      ranks), where)  # as a device receiver decodes them
     # placed as the context codings' ranks are (place.ctx_place, 64 words at a time): the
     # whole re-coding took 0.45-0.59x the time of the word-by-word pass before it, on MiniLM
     # steps at lr 1e-6 and 3e-6 (0.7-4.8% changed). The values placed with them go unused

@@ -758,31 +758,6 @@ def apply_group_stream(dst, shift, gmask, gkeys, gcounts, gaps, op, codec, vals,
     return t, t
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
-def group_gap_ranks(gaps, gcounts, n, ranks):
-    """The ranks of an exponent-grouped segment's changes within their groups, group-major:
-    group g's rank gaps (varints, each the elements of its key skipped since its previous
-    change) as ranks, into ranks[] (int64, each group's strictly increasing), ready for
-    place.ctx_place to read against the base words. Returns the count of ranks or a negative
-    status: a bad or truncated varint, bytes after the last, or a rank at or past n (no range
-    of n elements holds it: POSITION_OUT_OF_RANGE)."""
-    gend = gaps.shape[0]
-    i = 0
-    t = 0
-    for g in range(gcounts.shape[0]):
-        r = np.int64(-1)
-        for _ in range(gcounts[g]):
-            v, i = _read_varint(gaps, i, gend)
-            if i < 0:
-                return i
-            if v >= np.uint64(n - 1 - r):  # r + 1 + v must stay below n (r >= -1: no wrap)
-                return POSITION_OUT_OF_RANGE
-            r += 1 + np.int64(v)
-            ranks[t] = r
-            t += 1
-    return t if i == gend else TRAILING_BYTES
-
-
 # --- decoding to arrays (a destination elsewhere: device memory) ------------------------------
 # A receiver whose target lives on a device decodes a segment's streams on the host into
 # compact arrays (positions, values), checked exactly as the fused apply kernels check them;
