@@ -274,9 +274,11 @@ def test_placement_tables_of_either_width_place_alike() -> None:
     for table in (np.int32, np.int64):
         for place in (_place, _place_blocks):
             out_pos, out_z = np.empty(pos.size, np.int64), np.empty(pos.size, np.uint64)
+            held = np.empty(pos.size, base.dtype)
             t = place(base, dtype.exponent_shift, mask, gkey.astype(np.int64), gstart,
-                      gkey.size, ranks[order], zs, out_pos, out_z, np.empty(pos.size, table))
+                      gkey.size, ranks[order], zs, out_pos, out_z, held, np.empty(pos.size, table))
             assert t == pos.size
+            assert np.array_equal(held, base[pos])
             placed.append((out_pos, out_z))
     for out_pos, out_z in placed:
         assert np.array_equal(out_pos, pos)

@@ -68,7 +68,7 @@ _CASES = pytest.mark.parametrize(
 def _placed(old: np.ndarray, dtype: DType, changed: np.ndarray):
     """Both placements of the changes at `changed`, decoded as a decoder gives them (group-major
     ranks by old exponent); each change's value is its position, so a value placed with the
-    wrong change shows."""
+    wrong change shows. The old words each placed must be the base's words there."""
     keys, ranks = group_ranks(old, changed, dtype)
     order = np.argsort(keys, kind="stable")
     gkey, counts = np.unique(keys, return_counts=True)
@@ -77,9 +77,11 @@ def _placed(old: np.ndarray, dtype: DType, changed: np.ndarray):
     out = []
     for place in (_place, _place_blocks):
         pos, z = np.empty(changed.size, np.int64), np.empty(changed.size, np.uint64)
+        held = np.empty(changed.size, old.dtype)
         placed = place(old, dtype.exponent_shift, np.uint64(dtype.exponent_mask),
-                       gkey.astype(np.int64), gstart, gkey.size, ranks, zs, pos, z,
+                       gkey.astype(np.int64), gstart, gkey.size, ranks, zs, pos, z, held,
                        np.empty(changed.size, np.int32))
+        assert np.array_equal(held[:max(placed, 0)], old[changed[:max(placed, 0)]])
         out.append((placed, pos, z))
     return out
 
@@ -107,8 +109,8 @@ def test_a_real_delta_decodes_to_its_changes() -> None:
     changed = np.flatnonzero(old != new)
     seg = encode_segment(old, new, dtype, tensor=0, start=0, policy=ENCODE_PROFILES["compact"])
     assert seg is not None and seg.positions in CONTEXT_CODINGS
-    pos, _ = decode_changes(seg, old, dtype, "test")
-    assert np.array_equal(pos, changed)
+    pos, _, held = decode_changes(seg, old, dtype, "test")
+    assert np.array_equal(pos, changed) and np.array_equal(held, old[changed])
     dst = old.copy()  # and the values placed with them make the new words, bit for bit
     apply_segment(seg, dst, dtype, UndoLog(), "test")
     assert np.array_equal(dst, new)
@@ -131,11 +133,12 @@ def test_ranks_past_their_keys_elements_are_refused(place) -> None:
     gkey, gstart, ranks, zs = _hostile(n, [120, 122, 200], [[0, 5, n - 1], [3], [0]])
     pos, z = np.empty(ranks.size, np.int64), np.empty(ranks.size, np.uint64)
     if place is None:
-        got = ctx_place(old, 7, np.uint64(255), gkey, gstart, gkey.size, ranks, zs, pos, z)
+        got = ctx_place(old, 7, np.uint64(255), gkey, gstart, gkey.size, ranks, zs, pos, z,
+                        np.empty(ranks.size, old.dtype))
         assert got == POSITION_OUT_OF_RANGE
         return
     placed = place(old, 7, np.uint64(255), gkey, gstart, gkey.size, ranks, zs, pos, z,
-                   np.empty(ranks.size, np.int32))
+                   np.empty(ranks.size, old.dtype), np.empty(ranks.size, np.int32))
     assert 0 <= placed < ranks.size
 
 
@@ -146,10 +149,11 @@ def test_ranks_for_every_key_past_the_few_present_are_refused() -> None:
     old = (np.arange(n) % 3 + 10).astype(np.uint16) << np.uint16(10)  # fp16 keys 10, 11, 12
     gkey, gstart, rk, zs = _hostile(n, np.arange(32), [[0] for _ in range(32)])
     pos, z = np.empty(rk.size, np.int64), np.empty(rk.size, np.uint64)
-    assert _place_blocks(old, 10, np.uint64(31), gkey, gstart, gkey.size, rk, zs, pos, z,
+    held = np.empty(rk.size, old.dtype)
+    assert _place_blocks(old, 10, np.uint64(31), gkey, gstart, gkey.size, rk, zs, pos, z, held,
                          np.empty(rk.size, np.int32)) == 3
-    assert list(pos[:3]) == [0, 1, 2]
-    assert ctx_place(old, 10, np.uint64(31), gkey, gstart, gkey.size, rk, zs, pos, z) == \
+    assert list(pos[:3]) == [0, 1, 2] and np.array_equal(held[:3], old[:3])
+    assert ctx_place(old, 10, np.uint64(31), gkey, gstart, gkey.size, rk, zs, pos, z, held) == \
         POSITION_OUT_OF_RANGE
 
 
@@ -166,10 +170,12 @@ def test_blocks_decline_keys_fewer_than_the_window() -> None:
     ranks = (changed // 5)[order]  # position p is element p // 5 of its key
     zs = changed[order].astype(np.uint64)
     pos, z = np.empty(4, np.int64), np.empty(4, np.uint64)
-    assert _place_blocks(old, 4, np.uint64(7), gkey, gstart, gkey.size, ranks, zs, pos, z,
+    held = np.empty(4, old.dtype)
+    assert _place_blocks(old, 4, np.uint64(7), gkey, gstart, gkey.size, ranks, zs, pos, z, held,
                          np.empty(4, np.int32)) == -1
-    assert ctx_place(old, 4, np.uint64(7), gkey, gstart, gkey.size, ranks, zs, pos, z) == 4
+    assert ctx_place(old, 4, np.uint64(7), gkey, gstart, gkey.size, ranks, zs, pos, z, held) == 4
     assert np.array_equal(pos, changed) and np.array_equal(z.view(np.int64), changed)
+    assert np.array_equal(held, old[changed])
 
 
 @pytest.mark.parametrize("tail", [1, BLOCK - 1])

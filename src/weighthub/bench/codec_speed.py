@@ -141,8 +141,8 @@ def _measure(pairs: Sequence[Pair], reps: int, compact: EncodePolicy,
     scratch = [np.empty_like(p.new) for p in pairs]
     ctx_idx = [i for i, t in enumerate(prep) if t.compact is not None
                and t.compact.positions in CONTEXT_CODINGS and t.ranged is not None]
-    decoded: list[tuple[np.ndarray, np.ndarray] | None] = [None] * n
-    range_decoded: list[tuple[np.ndarray, np.ndarray] | None] = [None] * n
+    decoded: list[tuple[np.ndarray, ...] | None] = [None] * n
+    range_decoded: list[tuple[np.ndarray, ...] | None] = [None] * n
     staged: list[PreparedSegment | None] = [None] * n
 
     def reset() -> None:
@@ -166,7 +166,7 @@ def _measure(pairs: Sequence[Pair], reps: int, compact: EncodePolicy,
             ctx_streams(t.pair.old, t.pos, t.oldv, t.newv, t.pair.dtype, seg.op, seg.positions)
         return work
 
-    def decoder(attr: str, into: list[tuple[np.ndarray, np.ndarray] | None]) -> Callable[[int], object]:
+    def decoder(attr: str, into: list[tuple[np.ndarray, ...] | None]) -> Callable[[int], object]:
         def work(i: int) -> None:
             seg = getattr(prep[i], attr)
             assert seg is not None
@@ -202,8 +202,8 @@ def _measure(pairs: Sequence[Pair], reps: int, compact: EncodePolicy,
     for i in ctx_idx:  # the changes the scan found, and (through the stage) their words
         t, words = prep[i], staged[i]
         for got in (decoded[i], range_decoded[i]):
-            if got is None or not np.array_equal(got[0], t.pos):
-                raise RuntimeError(f"decode_changes of tensor {i}: not the scan's positions")
+            if got is None or not (np.array_equal(got[0], t.pos) and np.array_equal(got[2], t.oldv)):
+                raise RuntimeError(f"decode_changes of tensor {i}: not the scan's positions and words")
         if words is None or not (np.array_equal(words.pos, t.pos) and np.array_equal(words.old, t.oldv)
                                  and np.array_equal(words.new, t.newv)):
             raise RuntimeError(f"prepare_segment of tensor {i}: not the delta's words")

@@ -100,13 +100,13 @@ def regap_segment(seg: Segment, base: np.ndarray, dtype: DType, where: str) -> S
                                       ranks), where)  # as a device receiver decodes them
     # placed as the context codings' ranks are (place.ctx_place, 64 words at a time): the
     # whole re-coding took 0.45-0.59x the time of the word-by-word pass before it, on MiniLM
-    # steps at lr 1e-6 and 3e-6 (0.7-4.8% changed). The values placed with them go unused
+    # steps at lr 1e-6 and 3e-6 (0.7-4.8% changed). The values and old words placed go unused
     starts = np.zeros(keys.size + 1, np.int64)
     np.cumsum(counts, out=starts[1:])
     pos = np.empty(count, np.int64)
     check_status(ctx_place(readonly(base), dtype.exponent_shift, np.uint64(dtype.exponent_mask),
                            keys, starts, keys.size, ranks, np.zeros(count, np.uint64), pos,
-                           np.empty(count, np.uint64)), where)
+                           np.empty(count, np.uint64), np.empty(count, base.dtype)), where)
     return replace(seg, positions=Positions.GAPS, pos_bytes=encode_gaps(pos))
 
 

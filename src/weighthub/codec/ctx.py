@@ -140,10 +140,10 @@ def decode_ranks(seg: Segment, dtype: DType, where: str
 
 
 def decode_changes(seg: Segment, base: np.ndarray, dtype: DType,
-                   where: str) -> tuple[np.ndarray, np.ndarray]:
-    """The positions (int64, increasing) and the values as coded (uint64: the XOR, or the
-    zigzag difference of an add) of a context-coded segment, placed against `base` (the range's
-    words the segment applies to; read only).
+                   where: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The positions (int64, increasing), the values as coded (uint64: the XOR, or the zigzag
+    difference of an add) and the words of `base` there (base's type) of a context-coded
+    segment, placed against `base` (the range's words the segment applies to; read only).
 
     Raises:
         FormatError: corrupt or hostile streams (refused before any work proportional to a
@@ -153,10 +153,11 @@ def decode_changes(seg: Segment, base: np.ndarray, dtype: DType,
     count = seg.count
     pos = np.empty(count, np.int64)
     z = np.empty(count, np.uint64)
+    old = np.empty(count, base.dtype)
     status = ctx_place(readonly(base), dtype.exponent_shift, np.uint64(dtype.exponent_mask),
-                       gkey, gstart, gkey.size, ranks, zs, pos, z)
+                       gkey, gstart, gkey.size, ranks, zs, pos, z, old)
     check_status(int(status), where)
-    return pos, z
+    return pos, z, old
 
 
 def decode_ctx(seg: Segment, base: np.ndarray, dtype: DType, where: str) -> Segment:
@@ -170,7 +171,7 @@ def decode_ctx(seg: Segment, base: np.ndarray, dtype: DType, where: str) -> Segm
     """
     if seg.positions not in CONTEXT_CODINGS:
         return seg
-    pos, z = decode_changes(seg, base, dtype, where)
+    pos, z, _ = decode_changes(seg, base, dtype, where)
     count = seg.count
     gaps = np.empty(10 * count + 16, np.uint8)
     glen = K.encode_gaps(readonly(pos), count, gaps)

@@ -87,8 +87,11 @@ def prepare_segment(seg: Segment, base: np.ndarray, dtype: DType,
     mask, _ = width_masks(dtype)
     # the values as coded (z): transient, off the pause
     if seg.positions in CONTEXT_CODINGS:  # placed straight from the coder, no gap re-coding
-        pos, z = decode_changes(seg, base, dtype, where)
-    elif seg.positions == Positions.BITMAP:
+        pos, z, old = decode_changes(seg, base, dtype, where)  # the old words read while placing
+        new = np.empty(seg.count, dtype.uint)
+        combine_held(old, z, int(seg.op), mask, new)
+        return _sealed(seg, pos, old, new)
+    if seg.positions == Positions.BITMAP:
         pos = bitmap_positions(seg, where)  # its size and popcount checked: ≤ numel
         z = np.empty(seg.count, np.uint64)
         check_status(decode_value_stream(int(seg.values), readonly(seg.val_bytes), seg.count,
@@ -110,6 +113,11 @@ def prepare_segment(seg: Segment, base: np.ndarray, dtype: DType,
     old = np.empty(seg.count, dtype.uint)
     new = np.empty(seg.count, dtype.uint)
     combine_prepared(readonly(base), pos, z, int(seg.op), mask, old, new)
+    return _sealed(seg, pos, old, new)
+
+
+def _sealed(seg: Segment, pos: np.ndarray, old: np.ndarray, new: np.ndarray) -> PreparedSegment:
+    """The prepared segment of these words, with its digest halves and seal."""
     lanes = np.zeros(4, np.uint64)
     sealed = staged_sums(pos, old, new, seg.start, lanes)
     return PreparedSegment(pos, old, new, lanes[:2], lanes[2:], int(sealed), seg.start, seg.numel)
@@ -185,6 +193,14 @@ def combine_prepared(base, pos, z, op, mask, out_old, out_new):
         o = base[pos[t]]
         out_old[t] = o
         out_new[t] = _combine(np.uint64(o), z[t], op, mask)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def combine_held(old, z, op, mask, out_new):
+    """out_new = what `op` makes of the held words `old` with the decoded values `z` (a pass
+    over contiguous arrays: the words were gathered by the placement)."""
+    for t in range(old.shape[0]):
+        out_new[t] = _combine(np.uint64(old[t]), z[t], op, mask)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
