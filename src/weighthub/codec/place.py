@@ -24,7 +24,7 @@ import numpy as np
 
 from ..kernel_cache import njit
 from .kernels import POSITION_OUT_OF_RANGE, count_ones, prefetch, trailing_zeros
-from .place_vectors import BLOCK, TOP, key_mask, nth_set_bit, set_lane, window_counts
+from .place_vectors import BLOCK, TOP, key_mask, nth_set_bit, outside_lanes, set_lane, window_counts
 
 PLACE_AHEAD = np.uint64(16)  # changes of a key ahead that _place prefetches (see there)
 # words whose keys choose the window, spread over the range: on MiniLM's 39 tensors of more
@@ -224,10 +224,7 @@ def _place_blocks(base, shift, gmask, gkey, gstart, ngroups, ranks, zs, out_pos,
                 tnxt[q] = e
                 set_lane(tleft, q, i - c)
             if flags >> np.uint64(TOP):  # words outside the window, word by word
-                inside = _ZERO
-                for r in range(TOP):
-                    inside |= key_mask(kb, tkey[r])
-                outside = ~inside
+                outside = outside_lanes(kb, kbase)
                 while outside != _ZERO:
                     lane = trailing_zeros(outside)
                     outside &= outside - _U1

@@ -206,6 +206,20 @@ def key_mask(typingctx, kb, key):
 
 
 @intrinsic
+def outside_lanes(typingctx, kb, kbase):
+    """The lane mask of the BLOCK keys kb[:] (stored by window_counts) outside the window
+    kbase .. kbase + TOP − 1: one compare, where testing the TOP keys one by one took TOP."""
+    def codegen(context, builder, sig, args):
+        kbp = context.make_array(sig.args[0])(context, builder, args[0]).data
+        keys = builder.load(builder.bitcast(kbp, _BYTES.as_pointer()), align=1)
+        slot = builder.sub(keys, _splat(builder, builder.trunc(args[1], _I8), _BYTES))
+        out = builder.icmp_unsigned(">=", slot, ir.Constant(_BYTES, [TOP] * BLOCK))
+        return builder.bitcast(out, _I64)
+
+    return types.uint64(kb, kbase), codegen
+
+
+@intrinsic
 def set_lane(typingctx, arr, q, value):
     """arr[q] = value for q < TOP (else nothing; value in arr's integer type), stored as the
     whole vector arr[:TOP]: the next window_counts loads it whole, which a narrower store

@@ -23,7 +23,7 @@ import numpy as np
 from ..kernel_cache import njit
 from .kernels import count_ones, group_ranks, trailing_zeros
 from .place import BLOCKS_FROM, BLOCKS_UPTO, window_start
-from .place_vectors import BLOCK, TOP, change_mask, key_mask, window_counts
+from .place_vectors import BLOCK, TOP, change_mask, key_mask, outside_lanes, window_counts
 
 _U1 = np.uint64(1)
 _ZERO = np.uint64(0)
@@ -53,10 +53,7 @@ def _count_block(old, b, shift, gmask, kbase, neg, other, kb):
     (less), the other keys' word by word into other."""
     flags = np.uint64(window_counts(old, b, shift, gmask, kbase, neg, kb, _NO_SLOT, 0))
     if flags >> np.uint64(TOP):  # words outside the window
-        inside = _ZERO
-        for q in range(TOP):
-            inside |= key_mask(kb, kbase + q)
-        outside = ~inside
+        outside = outside_lanes(kb, kbase)
         while outside != _ZERO:
             other[kb[trailing_zeros(outside)]] += 1
             outside &= outside - _U1
