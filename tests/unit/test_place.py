@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from numba import njit
 
 from weighthub.codec import UndoLog, apply_segment, encode_segment, encode_segment_tracked, place_vectors
 from weighthub.codec import encode as encode_module
@@ -370,3 +371,20 @@ def test_the_lowering_is_one_of_the_known() -> None:
     """Which lowering this process compiles (the bench reports it)."""
     got = place_vectors.lowering()
     assert got["counts"] in ("gfni", "compare") and got["nth_set_bit"] in ("pdep", "search")
+
+
+@njit(cache=False)
+def _outside(kb, kbase):
+    return place_vectors.outside_lanes(kb, kbase)
+
+
+@pytest.mark.parametrize("kbase", [0, 1, 100, 255 - place_vectors.TOP])
+def test_outside_lanes_are_the_keys_outside_the_window(kbase: int) -> None:
+    """Keys just inside and just outside both ends of the window, and far from it (including
+    keys below it, whose slot wraps around as a byte)."""
+    rng = np.random.default_rng(kbase)
+    top = place_vectors.TOP
+    edges = np.array([kbase, kbase + top - 1, kbase + top, max(kbase - 1, 0), 0, 255], np.int64)
+    kb = np.concatenate([edges, rng.integers(0, 256, BLOCK - edges.size)]).astype(np.uint8)
+    want = sum(1 << lane for lane, k in enumerate(kb) if not kbase <= k < kbase + top)
+    assert int(_outside(kb, kbase)) == want

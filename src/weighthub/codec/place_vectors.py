@@ -3,9 +3,10 @@
 
 The placement tracks a window of TOP consecutive keys (old exponents) and, per block of BLOCK
 words, needs each window key's count in the block (`window_counts`), the lanes of one key
-(`key_mask`) and the lane of a key's i-th element (`nth_set_bit`). Each has a fast lowering for
-CPUs that have the instructions and a generic one for every other, chosen when numba compiles
-them, for the CPU it compiles for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES, else this host):
+(`key_mask`), the lane of a key's i-th element (`nth_set_bit`) and the lanes whose key is
+outside the window (`outside_lanes`). The counts and nth_set_bit have a fast lowering for CPUs
+that have the instructions and a generic one for every other, chosen when numba compiles them,
+for the CPU it compiles for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES, else this host):
 
     counts       "gfni"     each word's key becomes one bit of a byte (vpshufb, a 16-entry table
                             per 128-bit lane), the bits of every 8 bytes are transposed
