@@ -13,8 +13,10 @@ keeps vLLM CPU's linear weights plain:
                                          price is vLLM's slower CPU GEMM (measure both).
                                          GPU builds keep unquantized weights plain anyway.
 
-On CPUs with AMX, vLLM also packs small GEMMs for its SGL kernels whatever this says; `bind`
-then reports `in_place: False` and why, and refits go through the loader as before.
+On CPUs with AMX tiles (Sapphire Rapids and later), vLLM also packs every linear weight of at
+most 1 MiB for its SGL kernels, whether or not oneDNN may pack (SmolLM2's o_proj, 576 x 576),
+so the same switch turns that packing off too; otherwise `bind` would report `in_place: False`
+for those layers and every refit would go through the loader.
 
 Importing this module must stay light (no numba, no weighthub machinery): see
 `vllm_backend.register_backend`.
@@ -52,8 +54,18 @@ def plain_cpu_weights_asked() -> bool:
 
 
 def keep_cpu_weights_plain() -> None:
-    """Make this process's vLLM CPU build skip oneDNN packing of linear weights (before the
-    model loads: vLLM reads the flag when it processes each layer after loading)."""
+    """Make this process's vLLM CPU build skip oneDNN's and the SGL kernels' packing of linear
+    weights (before the model loads: vLLM decides per layer when it processes it after loading,
+    in `layers.utils.dispatch_cpu_unquantized_gemm`, which looks both up at that time). Only
+    that dispatch is changed: vLLM's int8 scaled-mm kernels import the SGL check under their own
+    name and keep it."""
     import vllm._custom_ops as ops
+    from vllm.model_executor.layers import utils as layer_utils
 
     ops._supports_onednn = False
+    layer_utils.check_cpu_sgl_kernel = _no_sgl_packing
+
+
+def _no_sgl_packing(n: int, k: int, dtype: object) -> bool:
+    """Stands in for vLLM's `check_cpu_sgl_kernel` (AMX CPUs: pack weights of ≤ 1 MiB): never."""
+    return False
