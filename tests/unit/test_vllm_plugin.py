@@ -34,3 +34,33 @@ def test_importing_the_plugin_loads_no_numba() -> None:
             "print('numba' in sys.modules or 'llvmlite' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_plain_cpu_weights_turn_off_both_packings() -> None:
+    """The switch reaches both of vLLM CPU's linear-weight packings: oneDNN's, and on CPUs with
+    AMX the SGL kernels' (weights of at most 1 MiB), which vLLM applied whatever oneDNN may do;
+    vLLM's int8 scaled-mm kernels keep their own SGL check. Run in a child process: the switch
+    changes vLLM's modules for the life of the process."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("vllm") is None:
+        why = "vLLM is not installed: pip install 'weighthub[vllm]' (see the README)"
+        if os.environ.get("CI"):
+            pytest.fail(why, pytrace=False)
+        pytest.skip(why)
+    code = """
+import torch, vllm._custom_ops as ops
+from vllm.model_executor.layers import utils
+from vllm.model_executor.kernels.linear.scaled_mm import cpu as scaled_mm
+from weighthub.engines.vllm_plugin import keep_cpu_weights_plain
+original = utils.check_cpu_sgl_kernel
+keep_cpu_weights_plain()
+print(ops._supports_onednn, utils.check_cpu_sgl_kernel(64, 64, torch.bfloat16),
+      scaled_mm.check_cpu_sgl_kernel is original)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-3:] == ["False", "False", "True"]
