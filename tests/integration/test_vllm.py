@@ -100,16 +100,23 @@ def plain(trainer: dict[str, Any]) -> Iterator[tuple[Any, Any]]:
 
 
 def outputs(llm: Any) -> list[tuple[list[int], list[dict[int, float]]]]:
-    """Greedy ids and top-5 logprobs per step, as plain values (compared with ==)."""
+    """Greedy ids and top-5 logprobs per step, as plain values (compared with ==).
+
+    One prompt per `generate`: vLLM CPU's kernels are not batch-invariant where oneDNN packs
+    bf16 weights (the AMX machine: one engine gave other log-probabilities for the same batch
+    from run to run, each prompt alone the same every time), and which requests share a step
+    depends on when each reaches the engine core process. Alone, every prompt's steps have the
+    same shapes in every engine."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     sp = SamplingParams(temperature=0, logprobs=5, max_tokens=8, detokenize=False)
-    res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in [*PROMPTS, LONG_PROMPT]], sp,
-                       use_tqdm=False)
-    return [(list(o.outputs[0].token_ids),
-             [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
-            for o in res]
+    got = []
+    for prompt in [*PROMPTS, LONG_PROMPT]:
+        (o,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)
+        got.append((list(o.outputs[0].token_ids),
+                    [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs]))
+    return got
 
 
 def _digests_match(llm: Any, store: LocalStore, version: int, state: dict[str, Any]) -> dict[str, Any]:
@@ -343,10 +350,7 @@ def test_in_place_engine_target_conformance(trainer: dict[str, Any],
 
 def test_smollm2_delta_refit_vs_full_reload(tmp_path: Path) -> None:
     """SmolLM2-135M (real weights, tied embeddings): RL-like deltas through vLLM's loader give
-    the same outputs as a fresh engine that loaded that version's checkpoint; and the timings.
-    (Not vLLM's own reload into the running engine: on a CPU whose oneDNN packs the linear
-    weights, that served other log-probabilities than a fresh engine, the thirty-first
-    session's AMX machine.)"""
+    the same outputs as a fresh engine that loaded that version's checkpoint; and the timings."""
     import torch
 
     from weighthub.bench.models.smollm2 import load_smollm2

@@ -13,14 +13,10 @@ keeps vLLM CPU's linear weights plain:
                                          price is vLLM's slower CPU GEMM (measure both).
                                          GPU builds keep unquantized weights plain anyway.
 
-On CPUs with AMX tiles (Sapphire Rapids and later) vLLM also packs every linear weight of at
-most 1 MiB for its SGL kernels (SmolLM2's o_proj, 576 x 576), and its layerwise
-`reload_weights` mis-serves such a layer reloaded on its own: measured with vLLM 0.32 on SmolLM2,
-layer 0's o_proj reloaded alone with its own unchanged values changed the engine's greedy tokens
-and log-probabilities, where a full reload did not, nor down_proj (oneDNN's packing) reloaded
-alone. weighthub's loader refits reload only the changed groups, so the plugin turns that
-packing off in every vLLM process, asked or not (`no_sgl_packing`): those layers then use
-oneDNN, or with plain CPU weights torch's linear, as on CPUs without AMX.
+On CPUs with AMX tiles (Sapphire Rapids and later), vLLM also packs every linear weight of at
+most 1 MiB for its SGL kernels, whether or not oneDNN may pack (SmolLM2's o_proj, 576 x 576),
+so the same switch turns that packing off too; otherwise `bind` would report `in_place: False`
+for those layers and every refit would go through the loader.
 
 Importing this module must stay light (no numba, no weighthub machinery): see
 `vllm_backend.register_backend`.
@@ -36,12 +32,10 @@ PLAIN_CPU_WEIGHTS = "WEIGHTHUB_VLLM_PLAIN_CPU_WEIGHTS"
 
 
 def register() -> None:
-    """The entry point: the backend, no SGL packing, then plain CPU weights if the environment
-    asks."""
+    """The entry point: the backend, then the CPU weight layout if the environment asks."""
     from .vllm_backend import register_backend
 
     register_backend()
-    no_sgl_packing()
     if plain_cpu_weights_asked():
         keep_cpu_weights_plain()
 
@@ -61,20 +55,14 @@ def plain_cpu_weights_asked() -> bool:
 
 def keep_cpu_weights_plain() -> None:
     """Make this process's vLLM CPU build skip oneDNN's and the SGL kernels' packing of linear
-    weights (before the model loads: vLLM decides per layer when it processes it after
-    loading, in `layers.utils.dispatch_cpu_unquantized_gemm`, which looks both up then)."""
+    weights (before the model loads: vLLM decides per layer when it processes it after loading,
+    in `layers.utils.dispatch_cpu_unquantized_gemm`, which looks both up at that time). Only
+    that dispatch is changed: vLLM's int8 scaled-mm kernels import the SGL check under their own
+    name and keep it."""
     import vllm._custom_ops as ops
-
-    ops._supports_onednn = False
-    no_sgl_packing()
-
-
-def no_sgl_packing() -> None:
-    """Make this process's vLLM CPU build skip the SGL kernels' packing of linear weights (AMX
-    CPUs only; see the module docstring). Only the unquantized GEMM dispatch is changed: vLLM's
-    int8 scaled-mm kernels import the SGL check under their own name and keep it."""
     from vllm.model_executor.layers import utils as layer_utils
 
+    ops._supports_onednn = False
     layer_utils.check_cpu_sgl_kernel = _no_sgl_packing
 
 
