@@ -36,11 +36,12 @@ def test_importing_the_plugin_loads_no_numba() -> None:
     assert out.stdout.strip() == "False"
 
 
-def test_plain_cpu_weights_turn_off_both_packings() -> None:
-    """The switch reaches both of vLLM CPU's linear-weight packings: oneDNN's, and on CPUs with
-    AMX the SGL kernels' (weights of at most 1 MiB), which vLLM applied whatever oneDNN may do;
-    vLLM's int8 scaled-mm kernels keep their own SGL check. Run in a child process: the switch
-    changes vLLM's modules for the life of the process."""
+def test_the_plugin_leaves_vllms_packing_alone_unless_plain_weights_are_asked() -> None:
+    """The entry point (`register`, run in every vLLM process) changes neither of vLLM CPU's
+    linear-weight packings by itself; with the switch at 1 it turns off both, oneDNN's and on
+    CPUs with AMX the SGL kernels' (weights of at most 1 MiB, packed whatever oneDNN may do),
+    while vLLM's int8 scaled-mm kernels keep their own SGL check. Run in child processes: the
+    switch changes vLLM's modules for the life of the process."""
     import importlib.util
     import os
     import subprocess
@@ -52,15 +53,21 @@ def test_plain_cpu_weights_turn_off_both_packings() -> None:
             pytest.fail(why, pytrace=False)
         pytest.skip(why)
     code = """
-import torch, vllm._custom_ops as ops
+import vllm._custom_ops as ops
 from vllm.model_executor.layers import utils
 from vllm.model_executor.kernels.linear.scaled_mm import cpu as scaled_mm
-from weighthub.engines.vllm_plugin import keep_cpu_weights_plain
-original = utils.check_cpu_sgl_kernel
-keep_cpu_weights_plain()
-print(ops._supports_onednn, utils.check_cpu_sgl_kernel(64, 64, torch.bfloat16),
-      scaled_mm.check_cpu_sgl_kernel is original)
+from weighthub.engines.vllm_plugin import register
+original, onednn = utils.check_cpu_sgl_kernel, ops._supports_onednn
+register()
+print(ops._supports_onednn is onednn, utils.check_cpu_sgl_kernel is original,
+      scaled_mm.check_cpu_sgl_kernel is original, onednn)
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-3:] == ["False", "False", "True"]
+    for plain in ("", "1"):
+        env = {**os.environ, PLAIN_CPU_WEIGHTS: plain}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=300, env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        onednn_kept, sgl_kept, int8_kept, had_onednn = out.stdout.split()[-4:]
+        assert (sgl_kept, int8_kept) == ("False" if plain else "True", "True"), (plain, out.stdout)
+        # a vLLM build without oneDNN has nothing for the switch to turn off
+        assert onednn_kept == ("False" if plain and had_onednn == "True" else "True"), plain
