@@ -45,7 +45,7 @@ from ..tensors import DType, readonly
 from .coding import CONTEXT_CODINGS, Op, Positions
 from .ctx import decode_changes
 from .encode import width_masks
-from .kernels import _combine, decode_gap_stream, decode_value_stream
+from .kernels import _combine, decode_gap_stream, decode_value_stream, prefetch
 from .segment import Segment, UndoEntry, UndoLog, bitmap_positions, check_sparse, check_status
 
 if TYPE_CHECKING:
@@ -169,6 +169,14 @@ def apply_prepared(prep: PreparedSegment, dst: np.ndarray, undo: UndoLog,
 _SEAL_K = np.uint64(0x9E3779B97F4A7C15)
 # below this many words a segment is scattered and sealed in one kernel call (`scatter_sealed`)
 SEALED_SCATTER = 4096
+# The pause's scatter and staging's gather ask the cache for the word of the change this many
+# changes ahead. Their positions rise but skip lines and cross pages, where the hardware's
+# stream prefetchers stop following. On 135M bf16 words (a SmolLM2-sized tensor) with the
+# cache flushed before each run, Intel Xeon (AVX-512), best of 5, against no prefetch: the
+# scatter 0.79x its time at 2.4% changed (21.6 -> 17.0 ms), 0.80x at 1%, 0.76x at 0.3%, 0.85x
+# at 10%, the same at 30%; the gather 0.83x at 2.4%, 0.90x at 1%. 64, 96 and 128 ahead read
+# the same within 5% from 0.05% to 5% changed; 128 gained 8% more at 10%.
+AHEAD = 96
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -188,8 +196,11 @@ def prepare_gap_segment(pos_bytes, codec, vals, count, numel, width, base, op, m
 @njit(cache=True, nogil=True, boundscheck=False)
 def combine_prepared(base, pos, z, op, mask, out_old, out_new):
     """out_old/out_new = the words of `base` at `pos` (decoded and checked: in range,
-    increasing) and what `op` makes of them with the decoded values `z`."""
+    increasing) and what `op` makes of them with the decoded values `z`. Asks the cache for
+    the word AHEAD changes on (see there)."""
+    last = pos.shape[0] - 1
     for t in range(pos.shape[0]):
+        prefetch(base, pos[min(t + AHEAD, last)])
         o = base[pos[t]]
         out_old[t] = o
         out_new[t] = _combine(np.uint64(o), z[t], op, mask)
@@ -253,8 +264,11 @@ def scatter_sealed(dst, pos, old, new, first):
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def scatter_prepared(dst, pos, old, new):
-    """dst[pos[t]] = new[t] in order while dst[pos[t]] == old[t]; how many were written."""
+    """dst[pos[t]] = new[t] in order while dst[pos[t]] == old[t]; how many were written.
+    Asks the cache for the word AHEAD changes on (see there)."""
+    last = pos.shape[0] - 1
     for t in range(pos.shape[0]):
+        prefetch(dst, pos[min(t + AHEAD, last)])
         p = pos[t]
         if dst[p] != old[t]:
             return t
