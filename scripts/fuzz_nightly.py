@@ -210,7 +210,11 @@ def main() -> int:
         return 0
     from fuzz.strategies import strategies
 
-    names = args.targets.split(",") if args.targets else sorted(strategies())
+    known = strategies()
+    names = args.targets.split(",") if args.targets else sorted(known)
+    if unknown := [n for n in names if n not in known]:
+        p.error(f"no hypothesis strategy for {unknown}: choose from {sorted(known)} (the "
+                "*_resum twins are for byte-level fuzzing: --atheris TARGET)")
     print(f"seed {args.seed}; targets {names}; {args.minutes:g} min each", flush=True)
     total = 0
     for name in names:

@@ -394,7 +394,9 @@ def safetensors_file(draw: Any) -> bytes:
 
 def strategies() -> dict[str, Any]:
     """The strategy that feeds each target (the `*_resum` twins are for byte-level fuzzers)."""
+    from .strategies_ctx import ctx_input  # it builds on this module's edits
+
     return {"chunk": chunk_frame(), "segments": segments_input(), "manifest": manifest_bytes(),
             "wire_request": request_frame(), "wire_response": response_frame(),
             "auth_token": auth_input(), "logra": logra_frame(),
-            "safetensors_header": safetensors_file()}
+            "safetensors_header": safetensors_file(), "ctx": ctx_input()}
