@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -139,7 +140,9 @@ def test_refits_match_fresh_engine(trainer: dict[str, Any], engine: Any, referen
     fresh_last = outputs(reference)  # before any reload: a truly fresh engine at v3
     timings, walls = [], []
     for v in range(1, VERSIONS):
-        prestage = v == 2  # v2 in two phases: staged (weights untouched), then refit applies it
+        # v2 and v3 in two phases: staged (weights untouched; where vLLM packs its linear
+        # layers, their kernels built beside the serving ones), then refit applies it
+        prestage = v >= 2
         if prestage:
             before = outputs(engine)
             s = stage(engine, v)
@@ -149,8 +152,10 @@ def test_refits_match_fresh_engine(trainer: dict[str, Any], engine: Any, referen
         r = refit(engine, v)
         walls.append(time.perf_counter() - t)  # the refit RPC: how long the engine stood still
         assert (r["version"], r["from_version"], r["prestaged"]) == (v, v - 1, prestage)
-        if prestage:
-            assert (r["stage_s"], r["bytes_fetched"]) == (s["stage_s"], s["bytes_fetched"])
+        if prestage:  # the refit applied what was staged: the receiver's staging, then kernels
+            assert (r["stage_s"] + s["prepack_s"], r["bytes_fetched"]) == (s["stage_s"],
+                                                                          s["bytes_fetched"])
+            assert (s["prepack_s"] > 0) == (not bound["in_place"])
         if v < VERSIONS - 1:
             reference.collective_rpc(vllm_model.reload_from_disk, args=(str(ckpts[v]),))
             reference.reset_prefix_cache()  # its cached KV is the previous checkpoint's
@@ -164,17 +169,24 @@ def test_refits_match_fresh_engine(trainer: dict[str, Any], engine: Any, referen
                   for p in (tmp_path / "stage").rglob("*.whc")}
         assert str(v) in staged  # the refit's chunks went through the host cache
         timings.append(r)
-    paths1, paths2 = timings[0]["paths"], timings[1]["paths"]
+    paths1, paths2, paths3 = (t["paths"] for t in timings)
     if bound["in_place"]:  # vLLM kept the linear weights plain on this CPU (no oneDNN packing)
         assert set(paths1.values()) == set(paths2.values()) == {"in place"}
         # v1: layer 0's q changed but k, v did not: in place, parts of fused groups go alone
         assert "model.layers.0.self_attn.k_proj.weight" not in paths1
     else:
-        # v1: layer 0's q changed but k, v did not: the whole fused group went through the loader
+        assert bound["prepack_refused"] == {} and "lm_head" in bound["prepacked"]
+        # v1 (not staged first): layer 0's q changed but k, v did not: the whole fused group
+        # went through the loader, the norms by XOR mask through it
         assert paths1["model.layers.0.self_attn.k_proj.weight"] == "overwrite"
         assert paths1["model.layers.0.mlp.up_proj.weight"] == "overwrite"
-        # v2: the tied embedding and a norm went by XOR mask
-        assert paths2["model.embed_tokens.weight"] == "xor" and paths2["model.norm.weight"] == "xor"
+        assert paths1["model.layers.0.input_layernorm.weight"] == "xor"
+        # v2 (staged): the tied embedding and a norm written as plain copies, layer 1's
+        # gate/up kernel built while staging (up unchanged: the whole fused group)
+        assert paths2["model.embed_tokens.weight"] == paths2["model.norm.weight"] == "plain"
+        assert paths2["model.layers.1.mlp.up_proj.weight"] == "prepacked"
+        # v3: every group, the loader not at all
+        assert set(paths3.values()) == {"plain", "prepacked"} and timings[2]["groups"] == 14
     assert {"model.embed_tokens.weight", "model.norm.weight"} <= set(paths2)
     assert timings[1]["refreshed"] == ["lm_head"]  # the tied lm_head was re-processed
     assert "model.layers.0.self_attn.q_proj.weight" not in paths2  # untouched group not reloaded
@@ -185,9 +197,7 @@ def test_refits_match_fresh_engine(trainer: dict[str, Any], engine: Any, referen
         print(f"v{v}: engine apply {r['engine_s'] * 1e3:.1f} ms, pause {r['pause_s'] * 1e3:.1f} ms, "
               f"stage {r['stage_s'] * 1e3:.1f} ms{' (pre-staged)' if r['prestaged'] else ''}, "
               f"refit RPC {wall * 1e3:.1f} ms, {r['groups']} groups, "
-              f"{sum(p == 'xor' for p in r['paths'].values())} xor / "
-              f"{sum(p == 'overwrite' for p in r['paths'].values())} overwrite, "
-              f"{r['bytes_fetched']} bytes")
+              f"paths {dict(Counter(r['paths'].values()))}, {r['bytes_fetched']} bytes")
 
 
 def _linear_weights_packed(worker: Any) -> bool:
@@ -261,6 +271,34 @@ def test_in_place_abort_restores_the_engine(trainer: dict[str, Any], plain: tupl
     assert (after["version"], after["engine"]) == (held, digests["engine"])
     _digests_match(llm, store, held, trainer["states"][held])
     assert outputs(llm) == before
+
+
+def test_prepacked_abort_restores_the_engine(trainer: dict[str, Any], engine: Any,
+                                             reference: Any) -> None:
+    """Where vLLM packs its linear layers: a vote that aborts after the kernels built while
+    staging were installed and the plain parameters written puts the serving kernels and bits
+    back; staged again, the version commits and serves as a fresh load of it."""
+    store = trainer["store"]
+    bound = bind(engine, store.url)  # what it serves: v0 alone, v3 after the refits
+    if bound["in_place"]:
+        pytest.skip("vLLM keeps its linear weights plain on this CPU: nothing is packed")
+    held, to = bound["version"], 2  # two deltas forwards from v0, one inversely from v3
+    before = outputs(engine)
+    digests = engine.collective_rpc("weighthub_digests")[0]
+    assert stage(engine, to)["prepack_s"] > 0
+    votes = engine.collective_rpc("weighthub_prepare", args=(to, None, 30.0))
+    assert [v["state"] for v in votes] == ["prepared"]
+    engine.collective_rpc("weighthub_decide", args=(False,))
+    after = engine.collective_rpc("weighthub_digests")[0]
+    assert (after["version"], after["engine"]) == (held, digests["engine"])
+    assert outputs(engine) == before
+    stage(engine, to)
+    r = refit(engine, to)
+    assert r["prestaged"] and set(r["paths"].values()) == {"plain", "prepacked"}
+    reference.collective_rpc(vllm_model.reload_from_disk, args=(str(trainer["ckpts"][to]),))
+    reference.reset_prefix_cache()
+    assert outputs(engine) == outputs(reference)
+    _digests_match(engine, store, to, trainer["states"][to])
 
 
 def _assert_unchanged(llm: Any, before: Any, version: int) -> None:

@@ -11,7 +11,7 @@ import torch
 from counting_store import CountingStore
 from weighthub import catalog
 from weighthub.cluster.relayed import RelayedManifests, vouched
-from weighthub.engines.vllm import _staged_relayed
+from weighthub.engines.vllm_checks import staged_relayed
 from weighthub.format import chunk_checksum
 from weighthub.publish import Publisher
 from weighthub.receive import Receiver
@@ -54,7 +54,7 @@ def test_a_vouched_manifest_plans_the_stage_without_the_store() -> None:
     store, states = _published(4)
     receiver, counting, target = _engine_at(store, 2)
     raw, digest = _manifest(store, 3)
-    staged = _staged_relayed(receiver, 3, raw, digest)
+    staged = staged_relayed(receiver, 3, raw, digest)
     assert staged is not None and (staged.version, staged.from_version) == (3, 2)
     assert counting.listed == [] and counting.manifests_read == []  # planned from the relay
     receiver.apply(staged)
@@ -67,7 +67,7 @@ def test_a_route_past_the_relayed_version_reads_only_the_others_from_the_store()
     store, states = _published(4)
     receiver, counting, target = _engine_at(store, 1)
     raw, digest = _manifest(store, 3)
-    staged = _staged_relayed(receiver, 3, raw, digest)
+    staged = staged_relayed(receiver, 3, raw, digest)
     assert staged is not None and staged.route == (catalog.rep_key(2, None, primary=True),
                                                    catalog.rep_key(3, None, primary=True))
     assert counting.manifests_read == [catalog.rep_key(2, None, primary=True)]
@@ -90,7 +90,7 @@ def test_anything_else_leaves_the_plan_to_the_store(case: str) -> None:
         manifest = None
     elif case == "no version":
         version = None
-    assert _staged_relayed(receiver, version, manifest, digest) is None
+    assert staged_relayed(receiver, version, manifest, digest) is None
     # nothing was staged from it; the store then plans, and the route is the usual one
     staged = receiver.stage(version)
     assert staged.version == (4 if version is None else version) and counting.listed
@@ -103,7 +103,7 @@ def test_a_receiver_over_the_store_itself_ignores_a_relayed_manifest() -> None:
     receiver = Receiver(store, target)
     receiver.sync(1)
     raw, digest = _manifest(store, 2)
-    assert _staged_relayed(receiver, 2, raw, digest) is None
+    assert staged_relayed(receiver, 2, raw, digest) is None
 
 
 def test_vouched_checks_the_hubs_digest_and_the_size() -> None:

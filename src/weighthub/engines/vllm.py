@@ -21,9 +21,11 @@ roll back through the undo log in the engine's memory, and no host copy of the m
 Otherwise each worker keeps a canonical mirror of the checkpoint (a StateDictTarget) that the
 Receiver brings to the version bit-exactly and verifies by digest. `EngineTarget` wraps that
 mirror: at commit it pushes the tensors whose digests changed, expanded to whole fused groups,
-through vLLM's own loader (`vllm_engine.EnginePlacement`). If the push fails the Receiver rolls
-the mirror back and `abort` reloads the touched groups from it, so the engine keeps serving its
-previous version.
+through vLLM's own loader (`vllm_engine.EnginePlacement`), except where `stage` built the
+changed layers' packed kernels beside the serving ones (`targets.vllm_prepack`, proven at bind;
+`WEIGHTHUB_VLLM_PREPACK=0` turns it off): commit then installs those and writes the plain
+parameters. If that fails the Receiver rolls the mirror back and `abort` restores the engine
+from it, so the engine keeps serving its previous version.
 
 Only small values cross the RPC boundary (a store URL, a version, a dict of results); errors come
 back as {"error": class name, "message": ...} and `bind`/`stage`/`refit` re-raise them as the same
@@ -34,10 +36,11 @@ Limitations: with vLLM's multiprocess engine core `stage` is an RPC that runs on
 thread, so the engine does not step while it runs: it moves the fetch out of the refit, it does
 not overlap it with generation. An in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) can stage
 from another thread while it generates (`integrations.ray.rollout` does); a refit without
-a staged version stages inline (`stage_s` vs `pause_s` in the result); the mirror (not in
-place) costs one host copy of the canonical model per worker; an exception raised inside vLLM's
-own layerwise reload may leave vLLM's reload bookkeeping half done, which the restore path has
-not been tested against (the restore is tested with a loader that fails between tensors).
+a staged version stages inline, through the loader (`stage_s` vs `pause_s` in the result); the
+mirror (not in place) costs one host copy of the canonical model per worker, and building kernels
+while staging a second copy and the changed layers' kernels until the pause; an exception inside
+vLLM's layerwise reload may leave its bookkeeping half done (the restore is tested with a loader
+that fails between tensors, not inside vLLM).
 """
 
 from __future__ import annotations
@@ -50,8 +53,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..cluster.peers import HolderSource
-from ..cluster.relayed import RelayedManifests, vouched
-from ..errors import NoSyncPath, UsageError, VersionNotFound, WeighthubError
+from ..cluster.relayed import RelayedManifests
+from ..errors import UsageError, WeighthubError
 from ..net.auth import MIN_SECRET_BYTES
 from ..receive import Receiver, Staged
 from ..sources import ChunkSource, NodeCacheReader, SourceList, StoreSource
@@ -60,7 +63,7 @@ from ..store import Store, open_store
 from ..targets.safetensors_file import load_checkpoint
 from ..targets.state_dict import StateDictTarget
 from ..targets.vllm_engine import EnginePlacement, PushReport
-from .vllm_checks import check_committed, check_same_bits, digests_of, find_version
+from .vllm_checks import check_committed, check_same_bits, digests_of, find_version, staged_relayed
 from .vllm_driver import bind, decode_early, refit, stage
 from .vllm_target import EngineTarget
 from .vote import FAILED, Vote
@@ -101,8 +104,11 @@ class WeighthubWorker:
         the checkpoint's); when rebinding, the version it was refitted to.
         A full reload of every tensor through vLLM's loader follows, which proves the loader
         reads every canonical tensor (and times a full reload for comparison); it writes the
-        bits the engine already holds. `stage_dir`: a host staging cache shared by the workers
-        on this host (`sources.staging`), so each chunk is fetched from the store once per host.
+        bits the engine already holds. Where the engine keeps a mirror, bind then proves which
+        layers' packed kernels a staging may build itself (`targets.vllm_prepack`; `prepacked`
+        and `prepack_refused` in the result). `stage_dir`: a host staging cache shared by the
+        workers on this host (`sources.staging`), so each chunk is fetched from the store once
+        per host.
         `peers`: chunk servers asked before the store (e.g. this host's node daemon, which the
         relay tree feeds), with the group's shared `secret`; one that fails is benched and the
         store serves instead. `node_cache`: that daemon's relay cache directory, read first and
@@ -224,11 +230,13 @@ class WeighthubWorker:
         if views:  # apply in the engine's own memory; the host mirror is dropped
             target = EngineTarget(StateDictTarget(views, held), placement, store, target.digests,
                                    in_place=True)
+        refused = target.prove_kernels()  # mirror: which layers' kernels a staging builds
         # manifests relayed to this host may answer a stage's plan (`weighthub_stage`)
         self._weighthub = (Receiver(RelayedManifests(store), target, sources=sources), target)
         self._wh_staged = None  # staged against the previous binding's target
         return {"version": held.version, "root": held.root, "full_reload_s": full_s,
-                "in_place": target.in_place, "in_place_refused": why,
+                "in_place": target.in_place, "in_place_refused": why, "prepack_refused": refused,
+                "prepacked": sorted(target.prepacker.recipes) if target.prepacker else [],
                 "xor": sorted(placement.xor_names), "groups": len(set(placement.groups.values()))}
 
     def _wh_receiver(self, store_url: str | None) -> tuple[Receiver, EngineTarget]:
@@ -241,17 +249,19 @@ class WeighthubWorker:
     def _wh_stage(self, version: int | None, store_url: str | None, manifest: bytes | None = None,
                   manifest_sha256: str | None = None) -> dict[str, Any]:
         self._wh_staged = None  # a failed stage leaves nothing staged
-        receiver, _target = self._wh_receiver(store_url)
+        receiver, target = self._wh_receiver(store_url)
         cpu0, use0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
-        staged = _staged_relayed(receiver, version, manifest, manifest_sha256)
+        staged = staged_relayed(receiver, version, manifest, manifest_sha256)
         relayed = staged is not None
         if staged is None:
             staged = receiver.stage(version)
+        prepack_s = target.prestage(receiver, staged)  # the changed layers' kernels, if it can
         self._wh_staged = (store_url, receiver, staged)
         use = resource.getrusage(resource.RUSAGE_SELF)
         return {"version": staged.version, "from_version": staged.from_version,
                 "route": list(staged.route), "bytes_fetched": staged.bytes_fetched,
-                "stage_s": staged.stage_seconds,
+                # the whole staging: the receiver's, then the changed layers' kernels (prepack_s)
+                "stage_s": staged.stage_seconds + prepack_s, "prepack_s": prepack_s,
                 # CPU of the whole worker process meanwhile (every thread: staging's and vLLM's)
                 "stage_process_cpu_s": time.process_time() - cpu0,
                 # of which in the kernel, and the pages first touched (fresh allocations)
@@ -370,24 +380,6 @@ class WeighthubWorker:
 
     def _wh_reload(self, weights: Any) -> None:
         self.reload_weights(weights_iterator=weights)
-
-
-def _staged_relayed(receiver: Receiver, version: int | None, manifest: bytes | None,
-                    digest: str | None) -> Staged | None:
-    """`version` staged from a manifest relayed to this host (`weighthub_stage`); None when
-    there is none, it is not the one the hub vouched for, or it is no delta from what the
-    engine holds (the store then plans)."""
-    manifests = receiver.store
-    if version is None or manifest is None or not isinstance(manifests, RelayedManifests):
-        return None
-    raw = vouched(manifest, version, digest, where="vLLM worker")
-    if raw is None:
-        return None
-    try:
-        with manifests.trusted_route({version: raw}):
-            return receiver.stage(version)
-    except (NoSyncPath, VersionNotFound):  # not one step from the held version
-        return None
 
 
 def _rpc(call: Any) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Checks the vLLM worker extension makes against the store: which version an engine's bits are."""
+"""Checks the vLLM worker extension makes against the store: which version an engine's bits are,
+and whether a manifest relayed to its host may plan a staging."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import numpy as np
 import torch
 
 from .. import catalog
+from ..cluster.relayed import RelayedManifests, vouched
 from ..digest import digest_bits
-from ..errors import BaseMismatch
+from ..errors import BaseMismatch, NoSyncPath, VersionNotFound
+from ..receive import Receiver, Staged
 from ..store import Store
 from ..tensors import bits
 
@@ -53,3 +56,21 @@ def check_committed(state: dict[str, torch.Tensor], canonical: dict[str, torch.T
     if differ or missing or extra:
         raise BaseMismatch(f"{what} is not {version}: differs in {differ[:5]}, lacks {missing[:5]}, "
                            f"has extra {extra[:5]}; load that version's own state")
+
+
+def staged_relayed(receiver: Receiver, version: int | None, manifest: bytes | None,
+                    digest: str | None) -> Staged | None:
+    """`version` staged from a manifest relayed to this host (`weighthub_stage`); None when
+    there is none, it is not the one the hub vouched for, or it is no delta from what the
+    engine holds (the store then plans)."""
+    manifests = receiver.store
+    if version is None or manifest is None or not isinstance(manifests, RelayedManifests):
+        return None
+    raw = vouched(manifest, version, digest, where="vLLM worker")
+    if raw is None:
+        return None
+    try:
+        with manifests.trusted_route({version: raw}):
+            return receiver.stage(version)
+    except (NoSyncPath, VersionNotFound):  # not one step from the held version
+        return None

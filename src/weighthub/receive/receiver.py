@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+import torch
 
 from .. import catalog
 from ..errors import BaseMismatch, ObjectNotFound, UsageError
@@ -22,6 +25,7 @@ from ..nogc import collections_deferred
 from ..sources import SourceList
 from ..store import Store
 from ..targets.base import Held, Target
+from ..targets.state_dict import StateDictTarget
 from ..tensors import TensorSpec, check_same_model
 from .early import EarlyChunks, EarlyDecoder
 from .engine import transact
@@ -209,6 +213,45 @@ class Receiver:
         """
         with self._sync_lock:
             return self._apply_staged(staged)
+
+    def preview(self, staged: Staged, scratch: StateDictTarget,
+                state: Mapping[str, torch.Tensor]) -> None:
+        """Bring `scratch`, a second copy of the target's tensors that the caller keeps, to
+        `staged`'s version: the staged steps applied and verified in a transaction of its own,
+        the target untouched. For work that needs a version's values before its pause (a
+        serving engine's kernels, `targets.vllm_prepack`). A scratch that does not hold what
+        `staged` was staged against (new, or its last preview was not committed) first gets
+        `state`, the target's tensors, copied in; one kept from preview to preview costs only
+        the apply (no copy, no fresh pages).
+
+        Raises:
+            UsageError: staged from another store. BaseMismatch: the target moved since
+                staging. IntegrityError, ...: as `apply` (the scratch rolled back).
+        """
+        with self._sync_lock:
+            if staged.store != self.store.url:
+                raise UsageError(f"version {staged.version} was staged from {staged.store}, "
+                                 f"not from this receiver's {self.store.url}")
+            if self.target.held() != staged.held:
+                raise BaseMismatch(f"version {staged.version} was staged against "
+                                   f"{_describe(staged.held)} but the target now holds "
+                                   f"{_describe(self.target.held())}: stage it again")
+            if scratch.held() != staged.held or staged.held is None:
+                copies = scratch.state
+                if [(n, t.shape, t.dtype) for n, t in copies.items()] != \
+                        [(n, t.shape, t.dtype) for n, t in state.items()]:
+                    copies.clear()
+                    copies.update((n, t.clone()) for n, t in state.items())
+                else:
+                    for n, t in state.items():
+                        copies[n].copy_(t)
+                if staged.held is None:
+                    return  # nothing held: nothing to preview against
+                scratch.commit(staged.held)  # its bits are the target's: the held version's
+            if staged.route:
+                transact(scratch, staged._steps, store=self.store.url, held=staged.held,
+                         specs=staged._specs, fresh=False, verify=self.verify,
+                         held_digests=staged._held_digests, apply_workers=1)
 
     def _stage_version(self, version: int | None) -> Staged:
         with collections_deferred():  # a staging's allocations set off a full collection

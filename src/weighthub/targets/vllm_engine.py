@@ -73,7 +73,7 @@ class EnginePlacement:
         self.model = model
         self.reload = reload
         packed = getattr(model, "packed_modules_mapping", None) or {}
-        self._packed: dict[str, list[str]] = dict(packed)
+        self.packed: dict[str, list[str]] = dict(packed)  # the model's packed_modules_mapping
         modules = dict(model.named_modules())
         self.groups = plan_groups(names, packed, lambda m: m in modules)
         # canonical name → (module, parameter) where one engine parameter holds just that tensor;
@@ -133,7 +133,7 @@ class EnginePlacement:
         parent, _, leaf = group.module.rpartition(".")
         prefix = f"{parent}." if parent else ""
         param = name.rpartition(".")[2]
-        fused = self._packed[leaf]
+        fused = self.packed[leaf]
         parts = [state[f"{prefix}{part}.{param}"] for part in fused]
         p = self.model.get_submodule(group.module)._parameters.get(param)
         like = state[name]

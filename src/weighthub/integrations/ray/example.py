@@ -55,10 +55,16 @@ def _s(v: float | None) -> str:
 
 
 def _refit_path(bound: list[dict[str, Any]]) -> str:
-    """How the engines refit: in their own memory, or through vLLM's loader (and why)."""
+    """How the engines refit: in their own memory, with packed kernels built while staging, or
+    through vLLM's loader (and why)."""
     if all(b.get("in_place") for b in bound):
         return "in place"
     why = next((b.get("in_place_refused") for b in bound if not b.get("in_place")), "")
+    kernels = min(len(b.get("prepacked", [])) for b in bound)
+    if kernels:
+        refused = max(len(b.get("prepack_refused", {})) for b in bound)
+        return (f"from a host mirror ({why}): {kernels} packed kernels built while staging and "
+                f"swapped in the pause, {refused} layers through vLLM's loader")
     return f"through vLLM's loader ({why})"
 
 
