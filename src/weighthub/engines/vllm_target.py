@@ -141,9 +141,8 @@ class EngineTarget(TargetWrapper):
             self.report = PushReport(paths=dict.fromkeys(changed, "in place"))
             self.report.refreshed = self.placement.refresh_tied(self._pushed)
             self.report.seconds = time.perf_counter() - t0
-        elif built is not None and (built.version, built.root) == (held.version, held.root):
-            self._install(built, new)
-        else:
+        elif built is None or (built.version, built.root) != (held.version, held.root) \
+                or not self._install(built, new):  # nothing built for this version: the loader
             self._pushed = expand(changed, self.placement.groups)
             self.report = self.placement.push(changed, self.mirror.state)
         if self.vote is not None:  # every rank pushed and verified: commit together or abort
@@ -153,15 +152,16 @@ class EngineTarget(TargetWrapper):
         self._pushed = []
         self._installed = None  # the kernels it replaced are dropped with it
 
-    def _install(self, built: Built, new: dict[str, str]) -> None:
+    def _install(self, built: Built, new: dict[str, str]) -> bool:
         """The pause with kernels built while staging: write the plain parameters of the groups
         they cover from the mirror (it holds the new, verified bits: a copy, so not read back),
-        install the kernels, and push the groups left through the loader."""
+        install the kernels, and push the groups left through the loader. False, touching
+        nothing, when the kernels built are not the ones this commit needs (the engine's
+        parameters were re-created since staging: the loader then takes every group)."""
         t0 = time.perf_counter()
         modules, covered, left = self._plan(new)
-        if set(modules) != set(built.kernels):  # pragma: no cover - the digests were staged's
-            raise errors.ApplyError(f"the kernels built while staging ({len(built.kernels)}) are "
-                                    f"not the {len(modules)} this commit needs: stage it again")
+        if set(modules) != set(built.kernels):
+            return False
         state, prepacker = self.mirror.state, self.prepacker
         assert prepacker is not None  # built by it
         plain = sorted(self._plain(n for g in covered for n in g.names))
@@ -176,9 +176,11 @@ class EngineTarget(TargetWrapper):
                   else PushReport())
         report.paths |= {n: "plain" if n in plain else "prepacked" for g in covered for n in g.names}
         report.groups += len(covered)
-        report.refreshed += [m for m in built.kernels if any(m == u for u, _o in self.placement.tied)]
+        tied = {user for user, _owner in self.placement.tied}
+        report.refreshed += [m for m in built.kernels if m in tied]
         report.seconds = time.perf_counter() - t0
         self.report = report
+        return True
 
     def abort(self) -> None:
         self.mirror.abort()
